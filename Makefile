@@ -1,0 +1,34 @@
+# shoal — `make demo` sets everything up and runs the main job; `make test` sets up and runs the tests.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup agent demo test test-unit test-integration lint bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+agent:
+	@$(MAKE) -s -C agent
+
+demo: setup
+	$(VENV)/bin/shoal demo
+
+test: setup
+	$(PY) -m pytest tests -q
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+test-integration: setup
+	$(PY) -m pytest tests/integration -q
+
+lint:
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: setup
+	$(VENV)/bin/shoal bench
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

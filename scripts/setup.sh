@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Install everything shoal needs on Debian 12 (as root): system packages, a Python venv, the agent.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  # build the in-sandbox agent and Python packages with C parts
+  gcc make libc6-dev python3 python3-venv python3-dev
+  # container sandboxes
+  crun runc iproute2 nftables kmod util-linux
+  # image store
+  erofs-utils mmdebstrap skopeo zstd e2fsprogs xfsprogs
+  # microVM / VM backends (guest kernel comes from Debian's package, never from elsewhere)
+  qemu-system-x86 qemu-utils busybox-static cpio linux-image-amd64
+)
+
+if [ "$(id -u)" != 0 ]; then
+  echo "setup.sh: run as root (sandboxes need mounts, cgroups and namespaces)" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "==> apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup.sh: $PYTHON is older than 3.11" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv with $PYTHON"
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.shoal-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "==> pip install -e .[dev]"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+
+echo "==> building the in-sandbox agent"
+make -s -C agent
+
+# crun refuses hybrid-cgroup hosts unless the hugetlb v1 hierarchy is mounted; runc works either way
+.venv/bin/shoal doctor --fix >/dev/null || true
+echo "==> setup done"

@@ -1,0 +1,39 @@
+"""shoal — an environment factory for agentic RL.
+
+    import shoal
+    async with shoal.Client() as client:
+        sb = await client.create("base")
+        r = await sb.exec("echo hi")
+"""
+
+from shoal.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    FileNotFound,
+    ImageBuildError,
+    ImageNotFound,
+    InvalidRequest,
+    NotImplementedYet,
+    QuotaExceeded,
+    SandboxError,
+    SandboxFileError,
+    SandboxNotFound,
+    ShellNotFound,
+    ShoalError,
+    Timeout,
+    Unauthorized,
+)
+from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
+from shoal.sdk.client import Client
+from shoal.sdk.sandbox import Sandbox, Shell, Stream
+from shoal.sdk.sync import SyncClient, SyncSandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
+    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxNotFound", "SandboxSpec", "Shell",
+    "ShellNotFound", "ShoalError", "Stream", "StreamEvent", "SyncClient", "SyncSandbox", "Timeout",
+    "Unauthorized", "__version__",
+]

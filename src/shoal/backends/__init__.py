@@ -1,0 +1,1 @@
+"""Sandbox backends: container (OCI runtime), microvm and vm (QEMU), fncall (warm pools)."""

@@ -1,0 +1,184 @@
+"""Container sandboxes: overlayfs over shared EROFS layers + an OCI bundle + crun/runc/runsc.
+
+Creating one costs a few mkdirs, one overlay mount (the layers are already mounted host-wide), one
+listening socket, one config.json and one `crun run -d`. Nothing is copied or unpacked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shoal.backends.base import Backend
+from shoal.backends.oci import build_config
+from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
+from shoal.config import Paths
+from shoal.errors import InvalidRequest, SandboxError
+from shoal.host import cgroups, syscalls
+from shoal.images.mounts import LayerMounts
+from shoal.images.store import Image
+from shoal.models import SandboxSpec
+from shoal.node.records import SandboxRecord, proc_starttime
+
+if TYPE_CHECKING:
+    from shoal.agentproto.client import AgentClient
+    from shoal.node.network import NetworkManager
+
+# Overlay options: no redirect/metacopy/index so an upper dir is a plain tree we can pack as a layer;
+# volatile skips syncs of the upper (a sandbox never outlives its host, so durability buys nothing).
+_OVERLAY_OPTS = "redirect_dir=off,index=off,metacopy=off,volatile"
+_SUN_PATH_MAX = 107
+
+
+class ContainerBackend(Backend):
+    """OCI containers with the shoal agent as PID 1."""
+
+    name = "container"
+
+    def __init__(self, paths: Paths, layer_mounts: LayerMounts, statuses: dict[str, RuntimeStatus],
+                 guest_dir: Path, default_runtime: str = "auto",
+                 network: NetworkManager | None = None) -> None:
+        self.paths = paths
+        self.layer_mounts = layer_mounts
+        self.statuses = statuses
+        self.guest_dir = guest_dir
+        self.default_runtime = default_runtime
+        self.network = network
+        self._runtimes: dict[str, OciRuntime] = {}
+
+    def runtime(self, name: str | None) -> OciRuntime:
+        """The OciRuntime for a name ('auto'/None picks the best working one)."""
+        key = name or self.default_runtime or "auto"
+        if key not in self._runtimes:
+            self._runtimes[key] = pick_runtime(self.statuses, key)
+        return self._runtimes[key]
+
+    def upper_dir(self, rec: SandboxRecord) -> Path:
+        """Private writable layer of the sandbox."""
+        return rec.path / "upper"
+
+    def rootfs(self, rec: SandboxRecord) -> Path:
+        """The merged overlay (the sandbox's / as the host sees it)."""
+        return rec.path / "rootfs"
+
+    async def create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
+        """Mount, configure and start one container; undo everything on failure."""
+        rt = self.runtime(spec.runtime)
+        rec.runtime = rt.name
+        rec.cid = f"shoal-{rec.id}"
+        rec.cgroup = f"/shoal/{rec.id}"
+        d = rec.path
+        sock_path = d / "agent.sock"
+        if len(str(sock_path)) > _SUN_PATH_MAX:
+            raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({sock_path}); use a shorter one")
+        listener: socket.socket | None = None
+        try:
+            upper, work, rootfs = d / "upper", d / "work", d / "rootfs"
+            for p in (upper, work, rootfs):
+                p.mkdir()
+            lowers = self.layer_mounts.acquire(image.layers, rec.id)
+            # overlay wants the topmost lower first
+            lowerdir = ":".join(str(p) for p in reversed(lowers))
+            syscalls.mount("overlay", str(rootfs), "overlay", 0,
+                           f"lowerdir={lowerdir},upperdir={upper},workdir={work},{_OVERLAY_OPTS}")
+            netns = None
+            resolv = None
+            if spec.network:
+                if self.network is None:
+                    raise SandboxError("network=True needs the node's network manager")
+                netns = await self.network.setup(rec)
+                resolv = str(self.network.resolv_conf())
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            listener.bind(str(sock_path))
+            listener.listen(64)
+            env = dict(image.config.env)
+            env.update(spec.env)
+            env.setdefault("HOSTNAME", spec.hostname or "sandbox")
+            cfg = build_config(
+                rootfs=str(rootfs), guest_dir=str(self.guest_dir), hostname=spec.hostname or "sandbox",
+                env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
+                pids=spec.pids, netns_path=netns, resolv_conf=resolv,
+            )
+            (d / "config.json").write_text(json.dumps(cfg))
+            rec.save()
+            r = await rt.run_detached(d, rec.cid, listener.fileno(), pid_file=d / "init.pid")
+            if r.returncode != 0:
+                msg = (r.stderr or r.stdout).decode(errors="replace").strip()
+                raise SandboxError(f"{rt.name} could not start the sandbox: {msg[-1500:]}")
+            pid = int((d / "init.pid").read_text().strip())
+            rec.init_pid = pid
+            rec.init_start = proc_starttime(pid) or 0
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            await self.destroy(rec)
+            raise
+        listener.close()
+
+    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+        """Connect to the agent's socket in the sandbox directory."""
+        from shoal.agentproto.client import AgentClient
+
+        return await AgentClient.connect_unix(str(rec.path / "agent.sock"), timeout=timeout)
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        """Kill, unmount, release layers, remove cgroups, network and the directory. Idempotent."""
+        errors: list[str] = []
+        if rec.cid:
+            try:
+                rt = OciRuntime(rec.runtime, self.statuses[rec.runtime].binary or rec.runtime) \
+                    if rec.runtime in self.statuses else self.runtime(None)
+                r = await rt.delete(rec.cid, force=True)
+                if r.returncode != 0 and await rt.state(rec.cid) is not None:
+                    errors.append(f"{rt.name} delete: {r.stderr.decode(errors='replace').strip()}")
+            except Exception as e:  # keep cleaning the rest
+                errors.append(f"runtime delete: {e}")
+        if rec.init_pid and rec.init_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rec.init_pid, 9)
+        if rec.cgroup:
+            await asyncio.to_thread(cgroups.remove_tree, rec.cgroup)
+        rootfs = str(rec.path / "rootfs")
+        for mp in syscalls.mounts_under(str(rec.path)):
+            try:
+                syscalls.umount(mp)
+            except OSError as e:
+                if e.errno == errno.EBUSY:
+                    syscalls.umount(mp, detach=True)
+                elif e.errno != errno.EINVAL:
+                    errors.append(str(e))
+        if rec.layers:
+            try:
+                self.layer_mounts.release(rec.layers, rec.id)
+            except OSError as e:
+                errors.append(f"release layers: {e}")
+        if rec.netns and self.network is not None:
+            try:
+                await self.network.teardown(rec)
+            except Exception as e:
+                errors.append(f"network teardown: {e}")
+        if syscalls.mounts_under(str(rec.path)):
+            errors.append(f"{rootfs} is still mounted; leaving {rec.path} in place")
+        else:
+            await asyncio.to_thread(shutil.rmtree, rec.path, True)
+        if errors:
+            raise SandboxError(f"cleanup of sandbox {rec.id} was incomplete: " + "; ".join(errors))
+
+    async def pause(self, rec: SandboxRecord) -> None:
+        """Freeze every process of the sandbox."""
+        await self.runtime(rec.runtime).pause(rec.cid)
+
+    async def resume(self, rec: SandboxRecord) -> None:
+        """Thaw the sandbox."""
+        await self.runtime(rec.runtime).resume(rec.cid)
+
+    def info(self, rec: SandboxRecord) -> dict:
+        """Runtime name and cgroup path."""
+        return {"runtime": rec.runtime, "cgroup": rec.cgroup}

@@ -1,0 +1,120 @@
+"""Build the OCI runtime-spec config.json of a container sandbox, secure by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.backends.seccomp import default_profile
+
+# The capability set Docker grants by default; nothing beyond it (no SYS_ADMIN, SYS_PTRACE, NET_ADMIN).
+DEFAULT_CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
+
+# /proc files that leak host information or can hurt the host; kpage* crashed a DSec kernel under `grep -r /`.
+MASKED_PATHS = [
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup",
+    "/proc/kpageflags", "/proc/kpagecount", "/proc/kmsg", "/proc/config.gz", "/sys/firmware",
+    "/sys/devices/virtual/powercap", "/proc/interrupts",
+]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+AGENT_DIR_IN_SANDBOX = "/.shoal"
+AGENT_PATH_IN_SANDBOX = "/.shoal/shoal-agent"
+
+
+def _has_cap_sys_resource() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 24 & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _nofile() -> int:
+    # a runtime cannot raise the hard limit above its own; stay within what we were given
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+
+
+def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, str], cwd: str,
+                 cgroups_path: str, cpus: float, memory_mb: int, pids: int, shm_mb: int = 64,
+                 netns_path: str | None = None, resolv_conf: str | None = None,
+                 agent_args: list[str] | None = None, seccomp: bool = True,
+                 swap_mb: int | None = None) -> dict[str, Any]:
+    """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3."""
+    mem = memory_mb * 1024 * 1024
+    period = 100_000
+    resources: dict[str, Any] = {
+        "memory": {"limit": mem, "reservation": min(mem, 64 << 20)},
+        "cpu": {"quota": max(1000, int(cpus * period)), "period": period,
+                "shares": max(2, int(cpus * 1024))},
+        "pids": {"limit": pids},
+        "devices": [{"allow": False, "access": "rwm"}] + [
+            {"allow": True, "type": "c", "major": ma, "minor": mi, "access": "rwm"}
+            for ma, mi in [(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 1), (5, 2), (136, -1)]
+        ],
+    }
+    if swap_mb is not None:
+        resources["memory"]["swap"] = mem + swap_mb * 1024 * 1024
+    # a device rule with minor -1 means "all minors" in the spec; runtimes want it absent instead
+    for rule in resources["devices"]:
+        if rule.get("minor") == -1:
+            del rule["minor"]
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
+    namespaces.append({"type": "network", "path": netns_path} if netns_path else {"type": "network"})
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_mb}m"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": AGENT_DIR_IN_SANDBOX, "type": "bind", "source": guest_dir,
+         "options": ["rbind", "ro", "nosuid", "nodev"]},
+    ]
+    if resolv_conf:
+        mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf,
+                       "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
+    process: dict[str, Any] = {
+        "terminal": False,
+        "user": {"uid": 0, "gid": 0},
+        "args": [AGENT_PATH_IN_SANDBOX, "--listen-fd", "3", *(agent_args or [])],
+        "env": [f"{k}={v}" for k, v in env.items()],
+        "cwd": "/",
+        "capabilities": {k: list(DEFAULT_CAPS) for k in ("bounding", "effective", "permitted")},
+        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _nofile(), "soft": _nofile()}],
+        "noNewPrivileges": True,
+    }
+    if _has_cap_sys_resource():
+        # the agent must outlive an OOM inside the sandbox (lowering the score needs CAP_SYS_RESOURCE;
+        # without it the agent's tiny RSS already makes it the OOM killer's last choice)
+        process["oomScoreAdj"] = -998
+    linux: dict[str, Any] = {
+        "cgroupsPath": cgroups_path,
+        "resources": resources,
+        "namespaces": namespaces,
+        "maskedPaths": MASKED_PATHS,
+        "readonlyPaths": READONLY_PATHS,
+    }
+    if seccomp:
+        linux["seccomp"] = default_profile()
+    return {
+        "ociVersion": "1.0.2",
+        "process": process,
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": hostname,
+        "mounts": mounts,
+        "linux": linux,
+    }

@@ -1,0 +1,196 @@
+"""OCI runtimes (crun, runc, runsc/gVisor): which ones work on this host, and how to drive them.
+
+crun is preferred (a C program: starts a container several times faster than runc), but refuses hosts
+with hybrid cgroups unless the hugetlb v1 hierarchy is mounted; runc works there. Whether a runtime
+works is *probed* (a real tiny container), never assumed, and cached per boot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shoal.config import Paths
+from shoal.errors import BackendUnavailable, SandboxError
+from shoal.host import cgroups
+from shoal.host.spawn import Completed, run, run_sync
+
+RUNTIME_BINARIES = {"crun": "crun", "runc": "runc", "gvisor": "runsc"}
+
+
+@dataclass
+class RuntimeStatus:
+    """Result of probing one runtime on this host."""
+
+    name: str
+    binary: str | None
+    works: bool
+    version: str = ""
+    reason: str = ""
+    fix: str = ""
+
+
+class OciRuntime:
+    """Commands of one OCI runtime binary, run without blocking the event loop."""
+
+    def __init__(self, name: str, binary: str) -> None:
+        self.name = name
+        self.binary = binary
+        # runsc needs its platform and cgroup mode on every call; ptrace works without KVM
+        self.global_args: list[str] = []
+        if name == "gvisor":
+            self.global_args = ["--platform=ptrace", "--network=none"]
+            if cgroups.cgroup_mode() != "v2":
+                self.global_args.append("--ignore-cgroups")
+
+    def _argv(self, *args: str) -> list[str]:
+        return [self.binary, *self.global_args, *args]
+
+    async def run_detached(self, bundle: Path, cid: str, listen_fd: int | None,
+                           pid_file: Path | None = None) -> Completed:
+        """Start the container in the background, handing `listen_fd` to it as fd 3."""
+        args = ["run", "-d", "--bundle", str(bundle)]
+        if pid_file is not None:
+            args += ["--pid-file", str(pid_file)]
+        fds = {}
+        if listen_fd is not None:
+            args += ["--preserve-fds", "1"]
+            fds[3] = listen_fd
+        args.append(cid)
+        return await run(self._argv(*args), fds=fds, timeout=60)
+
+    async def kill(self, cid: str, sig: str = "KILL", all_procs: bool = False) -> Completed:
+        """Send a signal to the container's init (or to every process with all_procs)."""
+        args = ["kill"] + (["--all"] if all_procs and self.name != "gvisor" else []) + [cid, sig]
+        return await run(self._argv(*args), timeout=30)
+
+    async def delete(self, cid: str, force: bool = True) -> Completed:
+        """Delete the container (and its cgroup); force kills it first."""
+        return await run(self._argv("delete", *(["--force"] if force else []), cid), timeout=30)
+
+    async def state(self, cid: str) -> dict | None:
+        """The runtime's state JSON, or None when the container does not exist."""
+        r = await run(self._argv("state", cid), timeout=30)
+        if r.returncode != 0:
+            return None
+        try:
+            return json.loads(r.stdout)
+        except ValueError:
+            return None
+
+    async def pause(self, cid: str) -> None:
+        """Freeze every process of the container (cgroup freezer)."""
+        (await run(self._argv("pause", cid), timeout=30)).check(f"{self.name} pause")
+
+    async def resume(self, cid: str) -> None:
+        """Thaw a paused container."""
+        (await run(self._argv("resume", cid), timeout=30)).check(f"{self.name} resume")
+
+    def list_ids(self) -> list[str]:
+        """IDs of every container this runtime knows on the host."""
+        r = run_sync(self._argv("list", "-q"), timeout=30)
+        return [x for x in r.stdout.decode().split() if x] if r.returncode == 0 else []
+
+
+def _probe_key() -> str:
+    # a probe stays valid until reboot or until the cgroup mounts change
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"{boot}|{cgroups.cgroup_mode()}|{','.join(sorted(cgroups.v1_controllers()))}"
+
+
+def probe_runtimes(paths: Paths, agent_bin: Path, refresh: bool = False) -> dict[str, RuntimeStatus]:
+    """Probe crun, runc and runsc with a real minimal container; cached in $SHOAL_HOME/run."""
+    cache = paths.run / "runtime-probe.json"
+    key = _probe_key()
+    if not refresh:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            data = json.loads(cache.read_text())
+            if data.get("key") == key:
+                return {k: RuntimeStatus(**v) for k, v in data["runtimes"].items()}
+    out = {name: _probe_one(name, binary, paths, agent_bin) for name, binary in RUNTIME_BINARIES.items()}
+    paths.run.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        cache.write_text(json.dumps({"key": key, "runtimes": {k: asdict(v) for k, v in out.items()}}))
+    return out
+
+
+def _probe_one(name: str, binary_name: str, paths: Paths, agent_bin: Path) -> RuntimeStatus:
+    binary = shutil.which(binary_name)
+    if not binary:
+        fixes = {"crun": "apt-get install crun", "runc": "apt-get install runc",
+                 "gvisor": "install runsc from gvisor.dev (not packaged in Debian 12)"}
+        return RuntimeStatus(name, None, False, reason=f"{binary_name} not found on PATH", fix=fixes[name])
+    ver = run_sync([binary, "--version"], timeout=10).stdout.decode(errors="replace").splitlines()
+    version = ver[0] if ver else ""
+    if os.geteuid() != 0:
+        return RuntimeStatus(name, binary, False, version, "not root", "run shoal as root")
+    if not agent_bin.exists():
+        return RuntimeStatus(name, binary, False, version, f"agent binary {agent_bin} missing", "make agent")
+    from shoal.backends.oci import build_config
+
+    rt = OciRuntime(name, binary)
+    paths.run.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=paths.run) as tmp:
+        bundle = Path(tmp)
+        rootfs = bundle / "rootfs"
+        (rootfs / ".shoal").mkdir(parents=True)
+        guest = bundle / "guest"
+        guest.mkdir()
+        shutil.copy2(agent_bin, guest / "shoal-agent")
+        cfg = build_config(rootfs=str(rootfs), guest_dir=str(guest), hostname="probe", env={"PATH": "/"},
+                           cwd="/", cgroups_path=f"/shoal-probe/{os.getpid()}", cpus=1, memory_mb=64, pids=16)
+        cfg["process"]["args"] = ["/.shoal/shoal-agent", "--version"]
+        (bundle / "config.json").write_text(json.dumps(cfg))
+        cid = f"shoal-probe-{os.getpid()}-{name}"
+        r = run_sync([binary, *rt.global_args, "run", "--bundle", str(bundle), cid], timeout=60)
+        run_sync([binary, *rt.global_args, "delete", "--force", cid], timeout=30)
+        cgroups.remove_tree(f"/shoal-probe/{os.getpid()}")
+        cgroups.remove_tree("/shoal-probe")
+    if r.returncode == 0:
+        return RuntimeStatus(name, binary, True, version)
+    err = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()
+    reason = err[-1] if err else f"exit {r.returncode}"
+    fix = ""
+    if name == "crun" and cgroups.cgroup_mode() == "hybrid":
+        fix = ("mount the hugetlb v1 hierarchy: `shoal doctor --fix` (runs "
+               "mkdir -p /sys/fs/cgroup/hugetlb && mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb)")
+    return RuntimeStatus(name, binary, False, version, reason, fix)
+
+
+def pick_runtime(statuses: dict[str, RuntimeStatus], preference: str | None) -> OciRuntime:
+    """The runtime to use for `preference` ('auto'/None: crun, else runc). Raises BackendUnavailable."""
+    pref = preference or "auto"
+    if pref == "auto":
+        for name in ("crun", "runc"):
+            st = statuses.get(name)
+            if st and st.works and st.binary:
+                return OciRuntime(name, st.binary)
+        reasons = "; ".join(f"{s.name}: {s.reason}" for s in statuses.values() if s.name != "gvisor")
+        raise BackendUnavailable(f"no container runtime works on this host ({reasons}); run `shoal doctor`")
+    st = statuses.get(pref)
+    if st is None:
+        raise BackendUnavailable(f"unknown runtime {pref!r}: choose crun, runc or gvisor")
+    if not st.works or not st.binary:
+        raise BackendUnavailable(f"runtime {pref} does not work here: {st.reason}. {st.fix}".strip())
+    return OciRuntime(pref, st.binary)
+
+
+def fix_hybrid_cgroups_for_crun() -> bool:
+    """Mount the hugetlb v1 hierarchy crun needs on hybrid hosts. True when something was mounted."""
+    if cgroups.cgroup_mode() != "hybrid" or "hugetlb" in cgroups.v1_controllers():
+        return False
+    if "hugetlb" not in cgroups.v1_available_controllers():
+        raise SandboxError("the kernel has no hugetlb cgroup controller; crun cannot run here, runc can")
+    target = Path("/sys/fs/cgroup/hugetlb")
+    run_sync(["mount", "-o", "remount,rw", "/sys/fs/cgroup"], timeout=10)
+    target.mkdir(exist_ok=True)
+    run_sync(["mount", "-t", "cgroup", "-o", "hugetlb", "cgroup", str(target)], timeout=10, check=True)
+    return True

@@ -1,0 +1,307 @@
+"""`shoal` — create sandboxes, run commands in them, manage images, serve the API, benchmark."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from shoal.cli.common import console, err_console, make_client, run_async
+
+app = typer.Typer(help="shoal: isolated, stateful sandboxes for agentic RL.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False)
+image_app = typer.Typer(help="Build, import, list and remove images.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+
+UrlOpt = Annotated[str | None, typer.Option("--url", help="API server (default: embedded node; env SHOAL_URL)")]
+
+
+def _fmt_age(ts: float) -> str:
+    s = max(0, time.time() - ts)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+# ---- host --------------------------------------------------------------------------------------
+@app.command()
+def doctor(fix: Annotated[bool, typer.Option(help="apply safe host fixes (mount hugetlb for crun)")] = False,
+           as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
+    """What this host can run, and why not (with the fix)."""
+    from shoal.doctor import run_checks
+
+    checks = run_checks(fix=fix)
+    if as_json:
+        print(json.dumps([c.__dict__ for c in checks], indent=1))
+        return
+    t = Table(title="shoal doctor", show_lines=False)
+    t.add_column("check")
+    t.add_column("")
+    t.add_column("detail")
+    t.add_column("fix")
+    for c in checks:
+        t.add_row(c.name, "[green]ok[/green]" if c.ok else "[yellow]no[/yellow]", c.detail, c.fix)
+    console.print(t)
+
+
+# ---- sandboxes ---------------------------------------------------------------------------------
+def _spec_kwargs(backend: str, runtime: str | None, cpus: float, memory_mb: int, network: bool,
+                 ttl: float | None, env: list[str] | None, labels: list[str] | None) -> dict[str, Any]:
+    def pairs(items: list[str] | None, what: str) -> dict[str, str]:
+        out = {}
+        for it in items or []:
+            if "=" not in it:
+                err_console.print(f"[red]error:[/red] {what} {it!r} must look like KEY=VALUE")
+                raise typer.Exit(2)
+            k, v = it.split("=", 1)
+            out[k] = v
+        return out
+
+    kw: dict[str, Any] = {"backend": backend, "cpus": cpus, "memory_mb": memory_mb, "network": network,
+                          "ttl_s": ttl, "env": pairs(env, "--env"), "labels": pairs(labels, "--label")}
+    if runtime:
+        kw["runtime"] = runtime
+    return kw
+
+
+@app.command()
+def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
+        backend: str = "container", runtime: str | None = None, cpus: float = 1.0, memory_mb: int = 1024,
+        network: bool = False, timeout: float = 300.0, url: UrlOpt = None) -> None:
+    """Run one command in a fresh sandbox, print its output, remove the sandbox: `shoal run base -- ls /`."""
+    async def go() -> int:
+        async with make_client(url, keep=False) as client:
+            sb = await client.create(image, **_spec_kwargs(backend, runtime, cpus, memory_mb, network, 600,
+                                                           None, None))
+            try:
+                r = await sb.exec(cmd if len(cmd) > 1 else cmd[0], timeout=timeout)
+            finally:
+                await sb.close()
+        sys.stdout.buffer.write(r.stdout if isinstance(r.stdout, bytes) else r.stdout.encode())
+        sys.stderr.buffer.write(r.stderr if isinstance(r.stderr, bytes) else r.stderr.encode())
+        if r.timed_out:
+            err_console.print(f"[yellow]timed out after {timeout}s[/yellow]")
+        if r.truncated:
+            err_console.print("[yellow]output truncated[/yellow]")
+        return r.exit_code
+
+    raise typer.Exit(run_async(go))
+
+
+@app.command()
+def create(image: Annotated[str, typer.Argument()] = "base",
+           n: Annotated[int, typer.Option("-n", help="how many")] = 1,
+           backend: str = "container", runtime: str | None = None, cpus: float = 1.0, memory_mb: int = 1024,
+           network: bool = False, ttl: Annotated[float | None, typer.Option(help="seconds until auto-stop")] = 3600,
+           env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE")] = None,
+           label: Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE")] = None,
+           url: UrlOpt = None) -> None:
+    """Create sandboxes and print their IDs (they live until `shoal rm` or their TTL)."""
+    kw = _spec_kwargs(backend, runtime, cpus, memory_mb, network, ttl, env, label)
+
+    async def go() -> int:
+        async with make_client(url, keep=True) as client:
+            if n == 1:
+                sb = await client.create(image, **kw)
+                print(sb.id)
+                return 0
+            from rich.progress import Progress
+
+            t0 = time.monotonic()
+            with Progress(console=err_console, transient=True) as prog:
+                task = prog.add_task(f"creating {n} sandboxes", total=None)
+                items = await client.create_many(image, n, **kw)
+                prog.update(task, completed=n, total=n)
+            bad = 0
+            for it in items:
+                if isinstance(it, Exception):
+                    bad += 1
+                    err_console.print(f"[red]error:[/red] {it}")
+                else:
+                    print(it.id)
+            err_console.print(f"{n - bad}/{n} created in {time.monotonic() - t0:.2f}s")
+            return 1 if bad else 0
+
+    raise typer.Exit(run_async(go))
+
+
+@app.command("exec")
+def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
+          timeout: float = 300.0, cwd: str | None = None, user: str | None = None, url: UrlOpt = None) -> None:
+    """Run a command in an existing sandbox: `shoal exec ID -- make test`."""
+    async def go() -> int:
+        async with make_client(url) as client:
+            sb = await client.get(sandbox_id)
+            r = await sb.exec(cmd if len(cmd) > 1 else cmd[0], timeout=timeout, cwd=cwd, user=user)
+        sys.stdout.buffer.write(r.stdout if isinstance(r.stdout, bytes) else r.stdout.encode())
+        sys.stderr.buffer.write(r.stderr if isinstance(r.stderr, bytes) else r.stderr.encode())
+        if r.timed_out:
+            err_console.print(f"[yellow]timed out after {timeout}s[/yellow]")
+        return r.exit_code
+
+    raise typer.Exit(run_async(go))
+
+
+@app.command("ls")
+def ls(as_json: Annotated[bool, typer.Option("--json")] = False,
+       label: Annotated[list[str] | None, typer.Option("--label", "-l")] = None, url: UrlOpt = None) -> None:
+    """List sandboxes."""
+    labels = dict(x.split("=", 1) for x in (label or []) if "=" in x) or None
+
+    async def go() -> None:
+        async with make_client(url) as client:
+            items = await client.list(labels=labels)
+        if as_json:
+            print(json.dumps([i.to_dict() for i in items], indent=1))
+            return
+        t = Table(title=f"{len(items)} sandboxes")
+        for col in ("id", "image", "backend", "state", "age", "expires", "cpus", "mem MiB", "labels"):
+            t.add_column(col)
+        for i in items:
+            exp = "-" if not i.expires_at else f"in {max(0, i.expires_at - time.time()):.0f}s"
+            t.add_row(i.id, i.image, f"{i.backend}/{i.runtime}" if i.runtime else i.backend, i.state,
+                      _fmt_age(i.created_at), exp, str(i.spec.get("cpus")), str(i.spec.get("memory_mb")),
+                      ",".join(f"{k}={v}" for k, v in i.labels.items()))
+        console.print(t)
+
+    run_async(go)
+
+
+@app.command("rm")
+def rm(sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
+       all_: Annotated[bool, typer.Option("--all", help="remove every sandbox")] = False,
+       url: UrlOpt = None) -> None:
+    """Remove sandboxes (everything they had on the host goes with them)."""
+    if not sandbox_ids and not all_:
+        err_console.print("[red]error:[/red] give sandbox IDs or --all")
+        raise typer.Exit(2)
+
+    async def go() -> int:
+        async with make_client(url) as client:
+            ids = [i.id for i in await client.list()] if all_ else list(sandbox_ids or [])
+            bad = 0
+            for sid in ids:
+                try:
+                    sb = await client.get(sid)
+                    await sb.close()
+                except Exception as e:
+                    bad += 1
+                    err_console.print(f"[red]error:[/red] {sid}: {e}")
+            err_console.print(f"removed {len(ids) - bad} sandbox(es)")
+            return 1 if bad else 0
+
+    raise typer.Exit(run_async(go))
+
+
+@app.command()
+def gc() -> None:
+    """Clean up: close expired and dead sandboxes, re-adopt live ones, unmount unused layers."""
+    from shoal.node.node import Node
+
+    async def go() -> None:
+        node = Node()
+        await node.start(reap=False, reconcile=False)
+        try:
+            stats = await node.reconcile()
+            stats["expired"] = await node.reap_once()
+        finally:
+            await node.stop()
+        console.print(stats)
+
+    run_async(go)
+
+
+# ---- images ------------------------------------------------------------------------------------
+@image_app.command("build")
+def image_build(name: Annotated[str, typer.Argument(help="image to build (`base` is built in)")] = "base") -> None:
+    """Build an image: `shoal image build base` (Debian bookworm via mmdebstrap)."""
+    from shoal.config import Paths
+    from shoal.images.base import build_base
+    from shoal.images.store import ImageStore
+
+    if name.split(":")[0] != "base":
+        err_console.print("[red]error:[/red] only the built-in `base` recipe is available in this build")
+        raise typer.Exit(2)
+    store = ImageStore(Paths.from_env().store)
+    with console.status("building base image (mmdebstrap)…") as status:
+        def log(msg: str) -> None:
+            status.update(msg)
+            err_console.print(f"  {msg}")
+
+        img = run_async(lambda: _to_async(build_base, store, name if ":" in name else "base:latest", log=log))
+    console.print(f"[green]built[/green] {img.ref} {img.digest[:19]}")
+
+
+async def _to_async(fn: Any, *a: Any, **kw: Any) -> Any:
+    import asyncio
+
+    return await asyncio.to_thread(fn, *a, **kw)
+
+
+@image_app.command("ls")
+def image_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List images."""
+    from shoal.config import Paths
+    from shoal.images.store import ImageStore
+
+    imgs = ImageStore(Paths.from_env().store).list_images()
+    if as_json:
+        print(json.dumps([i.to_dict() for i in imgs], indent=1))
+        return
+    t = Table(title=f"{len(imgs)} images")
+    for col in ("image", "digest", "layers", "size", "created"):
+        t.add_column(col)
+    for i in imgs:
+        t.add_row(i.ref, i.digest[:19], str(len(i.layers)), f"{i.size / 2**20:.1f} MiB",
+                  time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created)))
+    console.print(t)
+
+
+@image_app.command("layers")
+def image_layers(name: str) -> None:
+    """Show an image's layers, bottom first."""
+    from shoal.config import Paths
+    from shoal.errors import ShoalError
+    from shoal.images.store import ImageStore
+
+    try:
+        img = ImageStore(Paths.from_env().store).resolve(name)
+    except ShoalError as e:
+        err_console.print(f"[red]error:[/red] {e.message}")
+        raise typer.Exit(1) from None
+    t = Table(title=f"{img.ref} ({img.digest[:19]})")
+    for col in ("#", "layer", "size", "source"):
+        t.add_column(col)
+    for i, lay in enumerate(img.layers):
+        t.add_row(str(i), lay.digest[:19], f"{lay.size / 2**20:.1f} MiB", json.dumps(lay.source)[:80])
+    console.print(t)
+
+
+@image_app.command("rm")
+def image_rm(names: list[str]) -> None:
+    """Remove image tags (layers go at the next `shoal image gc`)."""
+    from shoal.config import Paths
+    from shoal.errors import ShoalError
+    from shoal.images.store import ImageStore
+
+    store = ImageStore(Paths.from_env().store)
+    bad = 0
+    for n in names:
+        try:
+            store.remove_image(n)
+            console.print(f"removed {n}")
+        except ShoalError as e:
+            bad += 1
+            err_console.print(f"[red]error:[/red] {e.message}")
+    raise typer.Exit(1 if bad else 0)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

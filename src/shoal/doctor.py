@@ -1,0 +1,123 @@
+"""`shoal doctor`: what this host can run, and for everything it cannot, why and how to fix it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.config import Paths
+from shoal.host import cgroups, syscalls
+
+
+@dataclass
+class Check:
+    """One line of the doctor's report."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def _kernel_version() -> tuple[int, int]:
+    rel = platform.release().split("-")[0].split(".")
+    try:
+        return int(rel[0]), int(rel[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_erofs(paths: Paths) -> Check:
+    """Can this kernel mount EROFS from a regular file (>= 6.12) or only through a loop device?"""
+    if not shutil.which("mkfs.erofs"):
+        return Check("erofs", False, "mkfs.erofs missing", "apt-get install erofs-utils")
+    if "erofs" not in Path("/proc/filesystems").read_text():
+        with contextlib.suppress(Exception):
+            os.system("modprobe erofs >/dev/null 2>&1")
+        if "erofs" not in Path("/proc/filesystems").read_text():
+            return Check("erofs", False, "kernel has no EROFS support", "use a kernel with CONFIG_EROFS_FS")
+    if os.geteuid() != 0:
+        return Check("erofs", True, "kernel supports EROFS (mount test needs root)")
+    from shoal.images.erofs import build_erofs
+
+    paths.run.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=paths.run, prefix="erofs-probe-") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        (src / "hello").write_text("hi")
+        img = Path(tmp) / "t.erofs"
+        build_erofs(src, img)
+        mp = Path(tmp) / "mnt"
+        mp.mkdir()
+        try:
+            syscalls.mount(str(img), str(mp), "erofs", syscalls.MS_RDONLY)
+            syscalls.umount(str(mp))
+            return Check("erofs", True, f"file-backed mounts (Linux {platform.release()}): no loop devices needed")
+        except OSError as e:
+            return Check("erofs", True, f"loop-device fallback (file-backed mount failed: {e.strerror}; "
+                         "needs Linux >= 6.12)")
+
+
+def check_overlay() -> Check:
+    """Is overlayfs available?"""
+    ok = "overlay" in Path("/proc/filesystems").read_text()
+    return Check("overlayfs", ok, "available" if ok else "missing", "" if ok else "modprobe overlay")
+
+
+def check_kvm() -> Check:
+    """Is KVM usable for the microvm/vm backends (not just present)?"""
+    try:
+        from shoal.host.kvm import kvm_status
+    except ImportError:
+        exists = os.path.exists("/dev/kvm")
+        return Check("kvm", False, "/dev/kvm " + ("exists" if exists else "missing") +
+                     "; the VM backends are not in this build", "")
+    st = kvm_status()
+    return Check("kvm", st.usable, st.detail, st.fix)
+
+
+def run_checks(paths: Paths | None = None, fix: bool = False) -> list[Check]:
+    """Every check, in report order. With `fix`, apply the safe fixes first (hugetlb for crun)."""
+    paths = paths or Paths.from_env()
+    out: list[Check] = []
+    root = os.geteuid() == 0
+    out.append(Check("root", root, "running as root" if root else f"running as uid {os.geteuid()}",
+                     "" if root else "sandboxes need root: run shoal as root"))
+    major, minor = _kernel_version()
+    out.append(Check("kernel", (major, minor) >= (5, 10), f"Linux {platform.release()}",
+                     "" if (major, minor) >= (5, 10) else "shoal needs Linux >= 5.10"))
+    mode = cgroups.cgroup_mode()
+    detail = {"v2": "cgroup v2 (unified)", "hybrid": "hybrid: v1 controllers + an empty v2 tree",
+              "v1": "cgroup v1 (legacy)"}[mode]
+    out.append(Check("cgroups", True, detail))
+    if fix and root:
+        from shoal.backends.runtime import fix_hybrid_cgroups_for_crun
+
+        with contextlib.suppress(Exception):
+            if fix_hybrid_cgroups_for_crun():
+                out.append(Check("fix", True, "mounted the hugetlb v1 hierarchy so crun can run"))
+    out.append(check_overlay())
+    out.append(check_erofs(paths))
+    try:
+        from shoal.agentbin import find_agent_binary
+        from shoal.backends.runtime import probe_runtimes
+
+        agent = find_agent_binary()
+        out.append(Check("agent", True, f"in-sandbox agent {agent}"))
+        statuses = probe_runtimes(paths, agent, refresh=True)
+        for name, st in statuses.items():
+            detail = f"{st.binary} ({st.version})" if st.works else st.reason
+            out.append(Check(f"runtime:{name}", st.works, detail, st.fix))
+    except Exception as e:
+        out.append(Check("agent", False, str(e), "make agent"))
+    out.append(check_kvm())
+    for tool, pkg in [("mmdebstrap", "mmdebstrap"), ("qemu-system-x86_64", "qemu-system-x86"),
+                      ("skopeo", "skopeo"), ("nft", "nftables"), ("ip", "iproute2")]:
+        path = shutil.which(tool)
+        out.append(Check(f"tool:{tool}", bool(path), path or "missing", "" if path else f"apt-get install {pkg}"))
+    return out

@@ -1,0 +1,165 @@
+"""Typed errors raised by shoal. Every message says what happened and what to do about it."""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """Base class of every error shoal raises on purpose."""
+
+    #: HTTP status the API server answers with for this error.
+    http_status: int = 500
+    #: Stable machine-readable code, used on the wire.
+    code: str = "shoal_error"
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, object]:
+        """Serialize for the wire (HTTP API)."""
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+class InvalidRequest(ShoalError, ValueError):
+    """A malformed spec or argument (bad name, negative limit, relative path ...)."""
+
+    http_status = 422
+    code = "invalid_request"
+
+
+class ImageNotFound(ShoalError, LookupError):
+    """The named image (or layer) does not exist in the store."""
+
+    http_status = 404
+    code = "image_not_found"
+
+
+class SandboxNotFound(ShoalError, LookupError):
+    """No sandbox with this ID (or it belongs to another project)."""
+
+    http_status = 404
+    code = "sandbox_not_found"
+
+
+class ShellNotFound(ShoalError, LookupError):
+    """The shell session ended or never existed."""
+
+    http_status = 404
+    code = "shell_not_found"
+
+
+class FileNotFound(ShoalError, FileNotFoundError):
+    """A path inside the sandbox does not exist."""
+
+    http_status = 404
+    code = "file_not_found"
+
+
+class SandboxFileError(ShoalError, OSError):
+    """A file operation inside the sandbox failed (permission, is a directory, ...)."""
+
+    http_status = 409
+    code = "file_error"
+
+
+class QuotaExceeded(ShoalError):
+    """A project's quota (sandboxes, CPUs, memory) would be exceeded."""
+
+    http_status = 403
+    code = "quota_exceeded"
+
+
+class CapacityExceeded(ShoalError):
+    """The node refuses new sandboxes right now (memory overcommit, low free memory)."""
+
+    http_status = 429
+    code = "capacity_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, **details: object) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.retry_after_s = retry_after_s
+
+
+class Timeout(ShoalError, TimeoutError):
+    """An operation did not finish within its deadline."""
+
+    http_status = 504
+    code = "timeout"
+
+
+class BackendUnavailable(ShoalError):
+    """The requested backend or runtime cannot run on this host (see `shoal doctor`)."""
+
+    http_status = 503
+    code = "backend_unavailable"
+
+
+class SandboxError(ShoalError):
+    """The sandbox failed: it did not start, its agent died, or it was killed."""
+
+    http_status = 500
+    code = "sandbox_error"
+
+
+class AgentProtocolError(SandboxError):
+    """The in-sandbox agent answered something the protocol does not allow."""
+
+    code = "agent_protocol_error"
+
+
+class ImageBuildError(ShoalError):
+    """An image build step failed; the message carries the failing step and its output tail."""
+
+    http_status = 422
+    code = "image_build_error"
+
+
+class Unauthorized(ShoalError):
+    """Missing or wrong API token."""
+
+    http_status = 401
+    code = "unauthorized"
+
+
+class NotImplementedYet(ShoalError, NotImplementedError):
+    """A documented capability this build of shoal does not provide (the message says which)."""
+
+    http_status = 501
+    code = "not_implemented"
+
+
+ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
+    cls.code: cls
+    for cls in (
+        ShoalError,
+        InvalidRequest,
+        ImageNotFound,
+        SandboxNotFound,
+        ShellNotFound,
+        FileNotFound,
+        SandboxFileError,
+        QuotaExceeded,
+        CapacityExceeded,
+        Timeout,
+        BackendUnavailable,
+        SandboxError,
+        AgentProtocolError,
+        ImageBuildError,
+        Unauthorized,
+        NotImplementedYet,
+    )
+}
+
+
+def error_from_dict(data: dict[str, object]) -> ShoalError:
+    """Rebuild a typed error from its wire form (see ShoalError.to_dict)."""
+    cls = ERRORS_BY_CODE.get(str(data.get("code")), ShoalError)
+    details = data.get("details") or {}
+    msg = str(data.get("message", "unknown error"))
+    if not isinstance(details, dict):
+        details = {}
+    if cls is CapacityExceeded:
+        retry = float(details.pop("retry_after_s", 1.0))  # type: ignore[arg-type]
+        return CapacityExceeded(msg, retry_after_s=retry, **details)
+    return cls(msg, **details)

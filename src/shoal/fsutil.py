@@ -1,0 +1,67 @@
+"""Small filesystem helpers: atomic writes that are safe on shared filesystems, hashing, unique temp names."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Any
+
+_HOST = socket.gethostname().replace("/", "_")[:32]
+
+
+def tmp_name(prefix: str = "") -> str:
+    """A temp file name unique across hosts sharing a filesystem (host + pid + random)."""
+    return f".tmp-{prefix}{_HOST}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, fsync: bool = True) -> None:
+    """Write `data` to `path` atomically: temp file in the same directory, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / tmp_name()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any, fsync: bool = True) -> None:
+    """Atomically write `obj` as pretty JSON."""
+    atomic_write(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), fsync=fsync)
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file."""
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, no spaces): what digests are computed over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
+    """Hex sha256 of a file's content."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    """Hex sha256 of bytes."""
+    return hashlib.sha256(data).hexdigest()

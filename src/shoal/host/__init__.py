@@ -1,0 +1,1 @@
+"""Thin, typed wrappers over the host facilities shoal uses (mount, processes, cgroups)."""

@@ -1,0 +1,113 @@
+"""Which cgroup layout this host has, and reading/writing a sandbox's cgroup files (v1 or v2)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_mode() -> str:
+    """'v2' (unified), 'hybrid' (v1 controllers + a v2 tree) or 'v1'."""
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return "v2"
+    if (CGROUP_ROOT / "unified").is_dir():
+        return "hybrid"
+    return "v1"
+
+
+def v1_controllers() -> set[str]:
+    """Mounted v1 hierarchies (by controller name), from /proc/self/mountinfo."""
+    found = set()
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            _pre, _, post = line.partition(" - ")
+            fields = post.split()
+            if fields and fields[0] == "cgroup":
+                opts = fields[2].split(",") if len(fields) > 2 else []
+                found.update(o for o in opts if o not in ("rw", "ro", "relatime", "nosuid", "nodev", "noexec"))
+    return found
+
+
+def v1_available_controllers() -> set[str]:
+    """Controllers the kernel offers (from /proc/cgroups, enabled column)."""
+    out = set()
+    with open("/proc/cgroups") as f:
+        for line in f:
+            if line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) >= 4 and parts[3] == "1":
+                out.add(parts[0])
+    return out
+
+
+class SandboxCgroup:
+    """Files of one sandbox's cgroup(s), located by its cgroupsPath (e.g. '/shoal/<id>')."""
+
+    def __init__(self, rel_path: str) -> None:
+        self.rel = rel_path.strip("/")
+        self.mode = cgroup_mode()
+
+    def dir(self, controller: str) -> Path:
+        """Directory of this cgroup in `controller`'s hierarchy (v2: the single tree)."""
+        if self.mode == "v2":
+            return CGROUP_ROOT / self.rel
+        return CGROUP_ROOT / controller / self.rel
+
+    def read(self, controller: str, name: str) -> str | None:
+        """Read a cgroup file; None when absent."""
+        try:
+            return (self.dir(controller) / name).read_text()
+        except (FileNotFoundError, OSError):
+            return None
+
+    def write(self, controller: str, name: str, value: str) -> bool:
+        """Write a cgroup file; False when it does not exist or refuses the value."""
+        try:
+            (self.dir(controller) / name).write_text(value)
+            return True
+        except OSError:
+            return False
+
+    def memory_bytes(self) -> int | None:
+        """Current memory charge of the sandbox (bytes)."""
+        v = self.read("memory", "memory.current" if self.mode == "v2" else "memory.usage_in_bytes")
+        return int(v) if v and v.strip().isdigit() else None
+
+    def memory_stat(self) -> dict[str, int]:
+        """memory.stat as a dict."""
+        out = {}
+        raw = self.read("memory", "memory.stat") or ""
+        for line in raw.splitlines():
+            k, _, v = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[k] = int(v)
+        return out
+
+    def pids(self) -> list[int]:
+        """PIDs (host view) in this cgroup."""
+        raw = self.read("pids", "cgroup.procs") or ""
+        return [int(x) for x in raw.split()]
+
+    def exists(self) -> bool:
+        """True when the cgroup directory is present in the memory hierarchy."""
+        return self.dir("memory").is_dir()
+
+
+def remove_tree(rel_path: str) -> None:
+    """Remove a (empty of processes) cgroup in every hierarchy; ignores what is already gone."""
+    rel = rel_path.strip("/")
+    roots = [CGROUP_ROOT] if cgroup_mode() == "v2" else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
+    for root in roots:
+        d = root / rel
+        if not d.is_dir():
+            continue
+        for sub, dirs, _ in os.walk(d, topdown=False):
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(sub, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(d)

@@ -1,0 +1,73 @@
+"""mount(2)/umount2(2) through libc: a syscall costs microseconds, spawning `mount` costs milliseconds."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MNT_DETACH = 2
+MNT_FORCE = 1
+UMOUNT_NOFOLLOW = 8
+
+
+def mount(source: str, target: str, fstype: str, flags: int = 0, data: str | None = None) -> None:
+    """Mount `source` on `target`; raises OSError with the errno and the arguments on failure."""
+    rc = _libc.mount(source.encode(), target.encode(), fstype.encode(), flags,
+                     data.encode() if data is not None else None)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount -t {fstype} {source} {target} ({data or ''}): {os.strerror(err)}")
+
+
+def umount(target: str, detach: bool = False) -> None:
+    """Unmount `target`; a lazy (detached) unmount when `detach`. Raises OSError on failure."""
+    flags = UMOUNT_NOFOLLOW | (MNT_DETACH if detach else 0)
+    if _libc.umount2(target.encode(), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def is_mountpoint(path: str) -> bool:
+    """True when `path` is a mountpoint (per /proc/self/mountinfo, which also sees bind mounts)."""
+    p = os.path.realpath(path)
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            mp = line.split(b" ", 5)[4].decode("utf-8", "surrogateescape")
+            if _unescape(mp) == p:
+                return True
+    return False
+
+
+def mounts_under(prefix: str) -> list[str]:
+    """Every mountpoint at or below `prefix`, deepest first (the order to unmount them)."""
+    p = os.path.realpath(prefix)
+    found = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            mp = _unescape(line.split(b" ", 5)[4].decode("utf-8", "surrogateescape"))
+            if mp == p or mp.startswith(p.rstrip("/") + "/"):
+                found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
+def _unescape(s: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal
+    if "\\" not in s:
+        return s
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 3 < len(s) + 0 and s[i + 1 : i + 4].isdigit():
+            out.append(chr(int(s[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)

@@ -1,0 +1,107 @@
+"""Plain data types shared by the SDK, the node agent, the backends and the API server."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Backend = Literal["container", "microvm", "vm", "fncall"]
+SandboxState = Literal["creating", "running", "paused", "stopped", "failed"]
+
+
+@dataclass
+class ExecResult:
+    """What one command returned. `exit_code` is 128+N when a signal N killed it."""
+
+    exit_code: int
+    stdout: bytes | str = b""
+    stderr: bytes | str = b""
+    duration_s: float = 0.0
+    timed_out: bool = False
+    truncated: bool = False
+    signal: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 and was not cut short."""
+        return self.exit_code == 0 and not self.timed_out
+
+    def text(self) -> ExecResult:
+        """Return a copy with stdout/stderr decoded as UTF-8 (invalid bytes replaced)."""
+        def dec(b: bytes | str) -> str:
+            return b.decode("utf-8", "replace") if isinstance(b, bytes) else b
+
+        return ExecResult(self.exit_code, dec(self.stdout), dec(self.stderr), self.duration_s,
+                          self.timed_out, self.truncated, self.signal)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form; bytes are decoded as UTF-8 with replacement."""
+        d = asdict(self.text())
+        return d
+
+
+@dataclass
+class StreamEvent:
+    """One item of `Sandbox.stream()`: output bytes as they come, then one `exit` event."""
+
+    kind: Literal["stdout", "stderr", "exit"]
+    data: bytes = b""
+    result: ExecResult | None = None
+
+
+@dataclass
+class DirEntry:
+    """One entry of `Sandbox.list_dir()`."""
+
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+@dataclass
+class SandboxSpec:
+    """Everything needed to create a sandbox. Validated by `validate()`."""
+
+    image: str = "base"
+    backend: Backend = "container"
+    runtime: str | None = None  # container: "crun" | "runc" | "gvisor"; None = best available
+    cpus: float = 1.0
+    memory_mb: int = 1024
+    pids: int = 512
+    disk_mb: int = 4096
+    max_output_bytes: int = 1 << 20
+    network: bool = False
+    ttl_s: float | None = 3600.0
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    hostname: str | None = None
+    project: str = "default"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox as listed by `Client.list()` / `Client.get()`."""
+
+    id: str
+    image: str
+    backend: str
+    state: str
+    created_at: float
+    spec: dict[str, Any] = field(default_factory=dict)
+    runtime: str = ""
+    expires_at: float | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    node: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)

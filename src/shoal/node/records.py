@@ -1,0 +1,144 @@
+"""One small JSON record per sandbox on local disk: the node agent's only durable state.
+
+Crash-only design: a node agent that dies (kill -9) loses nothing; the next one reads these records,
+checks each sandbox's init process, and re-adopts the live ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import InvalidRequest, SandboxNotFound
+from shoal.fsutil import atomic_write_json, read_json
+
+_B32 = "abcdefghijklmnopqrstuvwxyz234567"
+
+
+def new_sandbox_id(node_id: str) -> str:
+    """`<node>-<26 chars>`: 128 random bits (unguessable) prefixed by the node that owns it."""
+    n = int.from_bytes(secrets.token_bytes(16), "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_B32[n & 31])
+        n >>= 5
+    return f"{node_id}-{''.join(chars)}"
+
+
+def node_of(sandbox_id: str) -> str:
+    """The node encoded in a sandbox ID (DSec-style routing without a lookup)."""
+    return sandbox_id.rsplit("-", 1)[0]
+
+
+def check_sandbox_id(sandbox_id: str) -> str:
+    """Validate an ID's shape before it is used as a path component."""
+    node, _, rnd = sandbox_id.rpartition("-") if isinstance(sandbox_id, str) else ("", "", "")
+    if not node or len(rnd) != 26 or any(c not in _B32 for c in rnd) or len(node) > 32 or \
+            not all(c.isalnum() or c in "-_" for c in node):
+        raise SandboxNotFound(f"no sandbox {sandbox_id!r} (malformed ID)")
+    return sandbox_id
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of a live process, None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parens: fields start after the last ')'
+    rest = data[data.rfind(b")") + 2 :].split()
+    try:
+        if rest[0] == b"Z":
+            return None
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def my_identity() -> tuple[int, int]:
+    """(pid, starttime) of this process: identifies an owner even across pid reuse."""
+    return os.getpid(), proc_starttime(os.getpid()) or 0
+
+
+@dataclass
+class SandboxRecord:
+    """Everything needed to find, reach and clean up one sandbox."""
+
+    id: str
+    backend: str
+    image: str
+    image_digest: str
+    layers: list[str]  # layer hexes, bottom first
+    spec: dict[str, Any]
+    dir: str
+    state: str = "creating"
+    runtime: str = ""
+    cid: str = ""
+    cgroup: str = ""
+    init_pid: int = 0
+    init_start: int = 0
+    owner_pid: int = 0
+    owner_start: int = 0
+    netns: str = ""
+    created_at: float = field(default_factory=time.time)
+    expires_at: float | None = None
+    project: str = "default"
+    labels: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        """The sandbox directory."""
+        return Path(self.dir)
+
+    def save(self) -> None:
+        """Persist atomically (rename). No fsync: sandboxes do not outlive the host anyway."""
+        atomic_write_json(self.path / "record.json", asdict(self), fsync=False)
+
+    def init_alive(self) -> bool:
+        """True when the sandbox's init (the agent, or the VMM) still runs."""
+        return bool(self.init_pid) and proc_starttime(self.init_pid) == self.init_start
+
+    def owner_alive(self) -> bool:
+        """True when the process creating this sandbox still runs (its half-made state is not garbage)."""
+        return bool(self.owner_pid) and proc_starttime(self.owner_pid) == self.owner_start
+
+    @classmethod
+    def load(cls, sandbox_dir: Path) -> SandboxRecord:
+        """Read a record; SandboxNotFound if absent or unreadable."""
+        try:
+            data = read_json(sandbox_dir / "record.json")
+        except (FileNotFoundError, NotADirectoryError):
+            raise SandboxNotFound(f"no sandbox {sandbox_dir.name!r}") from None
+        except ValueError as e:
+            raise SandboxNotFound(f"sandbox {sandbox_dir.name!r} has a corrupt record: {e}") from None
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def list_records(sandboxes_dir: Path) -> list[SandboxRecord]:
+    """All readable records, oldest first."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(sandboxes_dir):
+            if entry.is_dir() and not entry.name.startswith("."):
+                with contextlib.suppress(SandboxNotFound, TypeError):
+                    out.append(SandboxRecord.load(Path(entry.path)))
+    out.sort(key=lambda r: r.created_at)
+    return out
+
+
+def validate_labels(labels: dict[str, str]) -> dict[str, str]:
+    """Labels are short string pairs; reject anything else with a clear message."""
+    if not isinstance(labels, dict):
+        raise InvalidRequest("labels must be a mapping of strings to strings")
+    for k, v in labels.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or len(k) > 128 or len(v) > 1024:
+            raise InvalidRequest(f"bad label {k!r}={v!r}: keys 1-128 chars, values ≤1024 chars, both strings")
+    return dict(labels)

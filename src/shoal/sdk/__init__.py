@@ -1,0 +1,1 @@
+"""The shoal SDK: one API (async `Client`, blocking `SyncClient`) over pluggable transports."""

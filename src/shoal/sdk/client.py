@@ -1,0 +1,128 @@
+"""The async client: `async with shoal.Client() as client: sb = await client.create("base")`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from shoal.errors import InvalidRequest, ShoalError
+from shoal.models import SandboxInfo, SandboxSpec
+from shoal.sdk.sandbox import Sandbox
+from shoal.sdk.transport import Transport
+
+
+class Client:
+    """Entry point of the SDK.
+
+    `Client()` embeds a node agent in this process; `Client("http://host:8700", token=...)` talks to
+    `shoal serve`. Both have the same surface. Sandboxes created through a client are closed when the
+    client closes, unless `keep=True` (they then live until closed or their TTL passes).
+    """
+
+    def __init__(self, url: str | None = None, *, token: str | None = None, transport: Transport | None = None,
+                 home: str | None = None, store: str | None = None, keep: bool = False,
+                 timeout: float = 600.0) -> None:
+        if transport is None:
+            if url:
+                from shoal.sdk.http import HttpTransport
+
+                transport = HttpTransport(url, token=token, timeout=timeout)
+            else:
+                from shoal.sdk.local import LocalTransport
+
+                transport = LocalTransport(home=home, store=store)
+        self._transport = transport
+        self._keep = keep
+        self._owned: set[str] = set()
+        self._started = False
+        self._start_lock = asyncio.Lock()
+
+    async def _ensure(self) -> Transport:
+        if not self._started:
+            async with self._start_lock:
+                if not self._started:
+                    await self._transport.start()
+                    self._started = True
+        return self._transport
+
+    @property
+    def transport(self) -> Transport:
+        """The transport under this client (LocalTransport exposes `.node`)."""
+        return self._transport
+
+    async def __aenter__(self) -> Client:
+        await self._ensure()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close sandboxes this client created (unless keep=True), then the transport."""
+        if not self._started:
+            return
+        if not self._keep and self._owned:
+            await asyncio.gather(*(self._close_quietly(sid) for sid in list(self._owned)))
+        self._owned.clear()
+        await self._transport.aclose()
+        self._started = False
+
+    async def _close_quietly(self, sid: str) -> None:
+        with contextlib.suppress(ShoalError):
+            await self._transport.close(sid)
+
+    @staticmethod
+    def _spec(image: str, kw: dict[str, Any]) -> SandboxSpec:
+        known = set(SandboxSpec.__dataclass_fields__)
+        unknown = set(kw) - known
+        if unknown:
+            raise InvalidRequest(f"unknown sandbox option(s): {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(sorted(known - {'image'}))}")
+        return SandboxSpec(image=image, **kw)
+
+    async def create(self, image: str = "base", **kw: Any) -> Sandbox:
+        """Create one sandbox (options: backend, runtime, cpus, memory_mb, pids, disk_mb, network, ttl_s,
+        env, labels, workdir, user, hostname, max_output_bytes)."""
+        t = await self._ensure()
+        info = await t.create(self._spec(image, kw))
+        self._owned.add(info.id)
+        return Sandbox(self, info)
+
+    async def create_many(self, image: str = "base", n: int = 1, *, return_errors: bool = True,
+                          **kw: Any) -> list[Sandbox | ShoalError]:
+        """Create a burst of `n` sandboxes; each item is a Sandbox or the error that one met."""
+        t = await self._ensure()
+        items = await t.create_many(self._spec(image, kw), n)
+        out: list[Sandbox | ShoalError] = []
+        for it in items:
+            if isinstance(it, SandboxInfo):
+                self._owned.add(it.id)
+                out.append(Sandbox(self, it))
+            else:
+                out.append(it)
+        if not return_errors:
+            errs = [e for e in out if isinstance(e, ShoalError)]
+            if errs:
+                raise errs[0]
+        return out
+
+    async def get(self, sandbox_id: str) -> Sandbox:
+        """A handle to an existing sandbox (created by any client or process)."""
+        t = await self._ensure()
+        return Sandbox(self, await t.get(sandbox_id))
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """Every sandbox visible to this client (optionally matching all `labels`)."""
+        t = await self._ensure()
+        return await t.list(labels=labels)
+
+    async def images(self) -> list[dict[str, Any]]:
+        """Images in the store."""
+        t = await self._ensure()
+        return await t.images()
+
+    async def run_code(self, code: str, language: str = "python", **kw: Any) -> Any:
+        """Run a short snippet on the fncall backend (a warm pool; no sandbox to manage)."""
+        t = await self._ensure()
+        return await t.run_code(code, language=language, **kw)

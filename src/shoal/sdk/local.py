@@ -1,0 +1,88 @@
+"""The in-process transport: the SDK drives an embedded node agent on this machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.config import NodeConfig, Paths
+from shoal.errors import ShoalError
+from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec
+from shoal.node.node import Node
+from shoal.sdk.transport import StreamHandle, Transport
+
+
+class LocalTransport(Transport):
+    """Runs a `Node` inside this process (no server to start)."""
+
+    def __init__(self, node: Node | None = None, *, home: str | None = None, store: str | None = None,
+                 config: NodeConfig | None = None, reap: bool = True) -> None:
+        if node is None:
+            cfg = config or NodeConfig()
+            if home or store:
+                cfg.paths = Paths.from_env(home, store)
+            node = Node(cfg)
+        self.node = node
+        self._reap = reap
+
+    async def start(self) -> None:
+        await self.node.start(reap=self._reap)
+
+    async def aclose(self) -> None:
+        await self.node.stop()
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        return await self.node.create(spec)
+
+    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
+        return await self.node.create_many(spec, n)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return await self.node.get(sandbox_id)
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return await self.node.list(labels=labels)
+
+    async def close(self, sandbox_id: str) -> None:
+        await self.node.close(sandbox_id)
+
+    async def exec(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ExecResult:
+        return await self.node.exec(sandbox_id, cmd, **kw)
+
+    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> StreamHandle:
+        return await self.node.stream(sandbox_id, cmd, **kw)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self.node.read_file(sandbox_id, path)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self.node.write_file(sandbox_id, path, data, mode)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
+        return await self.node.list_dir(sandbox_id, path)
+
+    async def shell_open(self, sandbox_id: str, **kw: Any) -> str:
+        return await self.node.shell_open(sandbox_id, **kw)
+
+    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, **kw: Any) -> ExecResult:
+        return await self.node.shell_run(sandbox_id, shell_id, cmd, **kw)
+
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
+        await self.node.shell_close(sandbox_id, shell_id)
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self.node.pause(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self.node.resume(sandbox_id)
+
+    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
+        return await self.node.snapshot(sandbox_id, name)
+
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+        return await self.node.fork(sandbox_id, n, **kw)
+
+    async def images(self) -> list[dict[str, Any]]:
+        return [img.to_dict() for img in self.node.store.list_images()]
+
+    async def run_code(self, code: str, **kw: Any) -> Any:
+        return await self.node.run_code(code, **kw)

@@ -1,0 +1,167 @@
+"""Handles returned by the Client: a `Sandbox` and its persistent `Shell`s."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import ShoalError
+from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
+from shoal.sdk.transport import StreamHandle, Transport
+
+if TYPE_CHECKING:
+    from shoal.sdk.client import Client
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class Shell:
+    """A persistent bash session: cwd, environment, functions and an activated venv carry over."""
+
+    def __init__(self, sandbox: Sandbox, shell_id: str) -> None:
+        self.sandbox = sandbox
+        self.id = shell_id
+
+    async def run(self, cmd: str, timeout: float | None = DEFAULT_TIMEOUT) -> ExecResult:
+        """Run one command in the session. A timeout interrupts the command; the shell lives on."""
+        return await self.sandbox._t.shell_run(self.sandbox.id, self.id, cmd, timeout=timeout)
+
+    async def close(self) -> None:
+        """End the session (kills what still runs in it)."""
+        await self.sandbox._t.shell_close(self.sandbox.id, self.id)
+
+    async def __aenter__(self) -> Shell:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.close()
+        except ShoalError:
+            pass
+
+
+class Stream:
+    """A running command: `async for ev in stream` yields output then one exit event."""
+
+    def __init__(self, handle: StreamHandle) -> None:
+        self._h = handle
+        self.result: ExecResult | None = None
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[StreamEvent]:
+        async for ev in self._h:
+            if ev.kind == "exit":
+                self.result = ev.result
+            yield ev
+
+    async def write(self, data: bytes | str) -> None:
+        """Send bytes to the command's stdin (or PTY)."""
+        await self._h.write_stdin(data.encode() if isinstance(data, str) else data)
+
+    async def close_stdin(self) -> None:
+        """Signal end of input."""
+        await self._h.close_stdin()
+
+    async def signal(self, sig: int) -> None:
+        """Send a signal (e.g. signal.SIGINT) to the command's process group."""
+        await self._h.send_signal(int(sig))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Resize the PTY (tty=True only)."""
+        await self._h.resize(rows, cols)
+
+    async def wait(self) -> ExecResult:
+        """Discard the remaining output and return the result."""
+        self.result = await self._h.wait()
+        return self.result
+
+
+class Sandbox:
+    """One isolated, stateful sandbox. Get it from `Client.create()`; `await sb.close()` when done."""
+
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self._client = client
+        self._t: Transport = client._transport
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        """The sandbox ID (encodes the node that owns it)."""
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} image={self.info.image} backend={self.info.backend} state={self.info.state}>"
+
+    async def exec(self, cmd: str | list[str], timeout: float | None = DEFAULT_TIMEOUT, cwd: str | None = None,
+                   env: dict[str, str] | None = None, user: str | None = None,
+                   stdin: bytes | str | None = None) -> ExecResult:
+        """Run a command to completion (a string runs under bash -c; a list is an argv)."""
+        if isinstance(stdin, str):
+            stdin = stdin.encode()
+        return await self._t.exec(self.id, cmd, timeout=timeout, cwd=cwd, env=env, user=user, stdin=stdin)
+
+    async def stream(self, cmd: str | list[str], timeout: float | None = DEFAULT_TIMEOUT, cwd: str | None = None,
+                     env: dict[str, str] | None = None, user: str | None = None, tty: bool = False,
+                     stdin: bool = False) -> Stream:
+        """Start a command and get its output as it is produced (`async for ev in await sb.stream(...)`)."""
+        h = await self._t.stream(self.id, cmd, timeout=timeout, cwd=cwd, env=env, user=user, tty=tty, stdin=stdin)
+        return Stream(h)
+
+    async def shell(self, cwd: str | None = None, env: dict[str, str] | None = None,
+                    user: str | None = None) -> Shell:
+        """Open a persistent bash session."""
+        return Shell(self, await self._t.shell_open(self.id, cwd=cwd, env=env, user=user))
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a file (atomically; parent directories are created)."""
+        await self._t.write_file(self.id, path, data.encode() if isinstance(data, str) else data, mode)
+
+    async def read_file(self, path: str) -> bytes:
+        """Read a file's bytes."""
+        return await self._t.read_file(self.id, path)
+
+    async def list_dir(self, path: str = ".") -> list[DirEntry]:
+        """List a directory (sorted by name)."""
+        return await self._t.list_dir(self.id, path)
+
+    async def pause(self) -> None:
+        """Freeze the sandbox and let the node reclaim its memory; any later request resumes it."""
+        await self._t.pause(self.id)
+
+    async def resume(self) -> None:
+        """Thaw the sandbox."""
+        await self._t.resume(self.id)
+
+    async def snapshot(self, name: str) -> dict[str, Any]:
+        """Save the sandbox's files as a new image `name` (create from it = fork)."""
+        return await self._t.snapshot(self.id, name)
+
+    async def fork(self, n: int = 1, **kw: Any) -> list[Sandbox]:
+        """`n` independent children starting from this sandbox's current files."""
+        items = await self._t.fork(self.id, n, **kw)
+        out = []
+        for it in items:
+            if isinstance(it, ShoalError):
+                raise it
+            sb = Sandbox(self._client, it)
+            self._client._owned.add(sb.id)
+            out.append(sb)
+        return out
+
+    async def refresh(self) -> SandboxInfo:
+        """Re-read the sandbox's info (state, expiry)."""
+        self.info = await self._t.get(self.id)
+        return self.info
+
+    async def close(self) -> None:
+        """Destroy the sandbox and everything it had."""
+        await self._t.close(self.id)
+        self._client._owned.discard(self.id)
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,212 @@
+"""`SyncClient`: the async Client's exact surface, blocking. One event loop runs in a private thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+from shoal.errors import ShoalError
+from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
+from shoal.sdk.client import Client
+from shoal.sdk.sandbox import Sandbox, Shell, Stream
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """A daemon thread running an event loop; `run(coro)` blocks until the coroutine finishes."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="shoal-sync", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class SyncShell:
+    """Blocking twin of Shell."""
+
+    def __init__(self, loop: _Loop, shell: Shell) -> None:
+        self._loop, self._s = loop, shell
+        self.id = shell.id
+
+    def run(self, cmd: str, timeout: float | None = 300.0) -> ExecResult:
+        """Run one command in the session."""
+        return self._loop.run(self._s.run(cmd, timeout=timeout))
+
+    def close(self) -> None:
+        """End the session."""
+        self._loop.run(self._s.close())
+
+    def __enter__(self) -> SyncShell:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncStream:
+    """Blocking twin of Stream: iterate for events."""
+
+    def __init__(self, loop: _Loop, stream: Stream) -> None:
+        self._loop, self._s = loop, stream
+        self._it = stream.__aiter__()
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while True:
+            try:
+                yield self._loop.run(self._it.__anext__())
+            except StopAsyncIteration:
+                return
+
+    @property
+    def result(self) -> ExecResult | None:
+        """The exit result once iteration finished."""
+        return self._s.result
+
+    def write(self, data: bytes | str) -> None:
+        """Send stdin bytes."""
+        self._loop.run(self._s.write(data))
+
+    def close_stdin(self) -> None:
+        """End of input."""
+        self._loop.run(self._s.close_stdin())
+
+    def signal(self, sig: int) -> None:
+        """Send a signal."""
+        self._loop.run(self._s.signal(sig))
+
+    def wait(self) -> ExecResult:
+        """Discard remaining output; return the result."""
+        return self._loop.run(self._s.wait())
+
+
+class SyncSandbox:
+    """Blocking twin of Sandbox."""
+
+    def __init__(self, loop: _Loop, sb: Sandbox) -> None:
+        self._loop, self._sb = loop, sb
+
+    @property
+    def id(self) -> str:
+        """Sandbox ID."""
+        return self._sb.id
+
+    @property
+    def info(self) -> SandboxInfo:
+        """Last known info."""
+        return self._sb.info
+
+    def __repr__(self) -> str:
+        return repr(self._sb).replace("<Sandbox", "<SyncSandbox")
+
+    def exec(self, cmd: str | list[str], **kw: Any) -> ExecResult:
+        """Run a command to completion."""
+        return self._loop.run(self._sb.exec(cmd, **kw))
+
+    def stream(self, cmd: str | list[str], **kw: Any) -> SyncStream:
+        """Start a command; iterate the result for output events."""
+        return SyncStream(self._loop, self._loop.run(self._sb.stream(cmd, **kw)))
+
+    def shell(self, **kw: Any) -> SyncShell:
+        """Open a persistent bash session."""
+        return SyncShell(self._loop, self._loop.run(self._sb.shell(**kw)))
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a file."""
+        self._loop.run(self._sb.write_file(path, data, mode))
+
+    def read_file(self, path: str) -> bytes:
+        """Read a file."""
+        return self._loop.run(self._sb.read_file(path))
+
+    def list_dir(self, path: str = ".") -> list[DirEntry]:
+        """List a directory."""
+        return self._loop.run(self._sb.list_dir(path))
+
+    def pause(self) -> None:
+        """Freeze."""
+        self._loop.run(self._sb.pause())
+
+    def resume(self) -> None:
+        """Thaw."""
+        self._loop.run(self._sb.resume())
+
+    def snapshot(self, name: str) -> dict[str, Any]:
+        """Save as a new image."""
+        return self._loop.run(self._sb.snapshot(name))
+
+    def fork(self, n: int = 1, **kw: Any) -> list[SyncSandbox]:
+        """Children from a snapshot."""
+        return [SyncSandbox(self._loop, s) for s in self._loop.run(self._sb.fork(n, **kw))]
+
+    def close(self) -> None:
+        """Destroy the sandbox."""
+        self._loop.run(self._sb.close())
+
+    def __enter__(self) -> SyncSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncClient:
+    """Blocking twin of `shoal.Client` (same arguments, same methods)."""
+
+    def __init__(self, url: str | None = None, **kw: Any) -> None:
+        self._loop = _Loop()
+        self._client = Client(url, **kw)
+        self._closed = False
+
+    def create(self, image: str = "base", **kw: Any) -> SyncSandbox:
+        """Create one sandbox."""
+        return SyncSandbox(self._loop, self._loop.run(self._client.create(image, **kw)))
+
+    def create_many(self, image: str = "base", n: int = 1, **kw: Any) -> list[SyncSandbox | ShoalError]:
+        """Create a burst of sandboxes; per-item errors."""
+        items = self._loop.run(self._client.create_many(image, n, **kw))
+        return [SyncSandbox(self._loop, it) if isinstance(it, Sandbox) else it for it in items]
+
+    def get(self, sandbox_id: str) -> SyncSandbox:
+        """Handle to an existing sandbox."""
+        return SyncSandbox(self._loop, self._loop.run(self._client.get(sandbox_id)))
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """Every visible sandbox."""
+        return self._loop.run(self._client.list(labels))
+
+    def images(self) -> list[dict[str, Any]]:
+        """Images in the store."""
+        return self._loop.run(self._client.images())
+
+    def run_code(self, code: str, language: str = "python", **kw: Any) -> Any:
+        """Run a snippet on the fncall backend."""
+        return self._loop.run(self._client.run_code(code, language=language, **kw))
+
+    def close(self) -> None:
+        """Close owned sandboxes and the transport; stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._client.aclose())
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> SyncClient:
+        self._loop.run(self._client.__aenter__())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

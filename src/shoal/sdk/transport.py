@@ -1,0 +1,106 @@
+"""Transports carry SDK calls to a node: in-process (`LocalTransport`) or over HTTP (`HttpTransport`).
+
+Like httpx's transports, this is the one seam between the user-facing API and where sandboxes live:
+`Client` and `Sandbox` never know which one they talk to.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from shoal.errors import ShoalError
+from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
+
+
+class StreamHandle(Protocol):
+    """A running command: iterate it for output, then an `exit` event; feed stdin; signal it."""
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
+    async def write_stdin(self, data: bytes) -> None: ...
+    async def close_stdin(self) -> None: ...
+    async def send_signal(self, sig: int) -> None: ...
+    async def resize(self, rows: int, cols: int) -> None: ...
+    async def wait(self) -> ExecResult: ...
+
+
+class Transport(ABC):
+    """Everything the SDK can ask of a node."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Connect / initialize."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release connections (sandboxes keep running)."""
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+
+    @abstractmethod
+    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]: ...
+
+    @abstractmethod
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    @abstractmethod
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
+
+    @abstractmethod
+    async def close(self, sandbox_id: str) -> None: ...
+
+    @abstractmethod
+    async def exec(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ExecResult: ...
+
+    @abstractmethod
+    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> StreamHandle: ...
+
+    @abstractmethod
+    async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    @abstractmethod
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    @abstractmethod
+    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]: ...
+
+    @abstractmethod
+    async def shell_open(self, sandbox_id: str, **kw: Any) -> str: ...
+
+    @abstractmethod
+    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, **kw: Any) -> ExecResult: ...
+
+    @abstractmethod
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None: ...
+
+    @abstractmethod
+    async def pause(self, sandbox_id: str) -> None: ...
+
+    @abstractmethod
+    async def resume(self, sandbox_id: str) -> None: ...
+
+    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
+        """Pack the sandbox's writable layer into a new image `name`."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("snapshot is not available on this transport")
+
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+        """Create `n` children from a snapshot of the sandbox."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("fork is not available on this transport")
+
+    async def images(self) -> list[dict[str, Any]]:
+        """Images in the store."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("listing images is not available on this transport")
+
+    async def run_code(self, code: str, **kw: Any) -> Any:
+        """Run a snippet on the fncall backend."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("run_code is not available on this transport")

@@ -1,0 +1,89 @@
+"""Shared fixtures: a private SHOAL_HOME per test session (short path: Unix sockets live in it), the
+shared image store (so `base` is built once per machine), and a leak check at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+IS_ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parents[1]
+AGENT_BIN = REPO / "build" / "shoal-agent"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `root` are skipped (with the reason) when not running as root."""
+    if IS_ROOT:
+        return
+    skip = pytest.mark.skip(reason="needs root: real crun/runc, mounts and cgroups")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+def _mounts_under(prefix: str) -> list[str]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4]
+            if mp.startswith(prefix):
+                out.append(mp)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shoal_home() -> Iterator[Path]:
+    """A fresh SHOAL_HOME for the session; at the end nothing it made may remain mounted or running."""
+    home = Path(tempfile.mkdtemp(prefix="sht-", dir="/tmp"))
+    old = {k: os.environ.get(k) for k in ("SHOAL_HOME", "SHOAL_STORE")}
+    os.environ["SHOAL_HOME"] = str(home)
+    os.environ.setdefault("SHOAL_STORE", os.environ.get("SHOAL_TEST_STORE", "/var/lib/shoal/store"))
+    yield home
+    leaks = _mounts_under(str(home))
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if not leaks:
+        shutil.rmtree(home, ignore_errors=True)
+    assert not leaks, f"mounts leaked under {home}: {leaks}"
+
+
+@pytest.fixture(scope="session")
+def base_image(shoal_home: Path) -> str:
+    """Make sure the `base` image exists in the store (built with mmdebstrap on first use)."""
+    if not IS_ROOT:
+        pytest.skip("needs root")
+    from shoal.config import Paths
+    from shoal.images.base import ensure_base
+    from shoal.images.store import ImageStore
+
+    store = ImageStore(Paths.from_env().store)
+    ensure_base(store)
+    return "base"
+
+
+@pytest.fixture
+async def client(shoal_home: Path, base_image: str) -> AsyncIterator:
+    """An embedded async client; every sandbox it made is closed afterwards."""
+    import shoal
+
+    async with shoal.Client() as c:
+        yield c
+
+
+def runtime_containers() -> list[str]:
+    """IDs of shoal containers that crun/runc still know (for leak checks)."""
+    ids = []
+    for rt in ("crun", "runc"):
+        if shutil.which(rt):
+            r = subprocess.run([rt, "list", "-q"], capture_output=True, text=True)
+            ids += [x for x in r.stdout.split() if x.startswith("shoal-")]
+    return ids
