@@ -118,27 +118,28 @@ static void exec_read(struct exec *e, struct src *s, int type)
 	struct conn *c = e->st ? e->st->conn : NULL;
 	uint64_t *count = type == F_STDOUT ? &e->nout : &e->nerr;
 	int capped = e->max_output && *count >= e->max_output;
-	ssize_t n;
-	if (c && !capped) {
-		if (conn_out_full(c)) {
-			src_want(s, 0); /* resumed by exec_resume when the client catches up */
-			return;
-		}
-		size_t want = CHUNK;
-		if (e->max_output && e->max_output - *count < want)
-			want = (size_t)(e->max_output - *count);
-		uint8_t *p = conn_frame_begin(c, want);
-		n = read(s->fd, p, want);
-		if (n > 0) {
-			conn_frame_commit(c, type, e->st->id, (size_t)n);
-			*count += (uint64_t)n;
-		}
-	} else {
-		n = read(s->fd, g_scratch, sizeof g_scratch);
-		if (n > 0 && capped)
-			e->truncated = 1;
+	if (c && !capped && conn_out_full(c)) {
+		src_want(s, 0); /* resumed by exec_resume when the client catches up */
+		return;
 	}
-	if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+	/* Read into scratch, then copy what came: the connection's buffer grows only by real
+	 * output (a pipe holds at most 64 KiB by default, so nothing is lost by the size). */
+	ssize_t n = read(s->fd, g_scratch, sizeof g_scratch);
+	if (n > 0) {
+		if (c && !capped) {
+			size_t take = (size_t)n;
+			if (e->max_output && e->max_output - *count < take) {
+				take = (size_t)(e->max_output - *count);
+				e->truncated = 1;
+			}
+			conn_send(c, type, e->st->id, g_scratch, take);
+			*count += take;
+		} else if (capped) {
+			e->truncated = 1;
+		}
+		return;
+	}
+	if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
 		/* EOF; EIO on a PTY master means every slave fd is closed. */
 		src_close(s);
 		exec_check(e);

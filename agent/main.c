@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -256,6 +257,10 @@ int main(int argc, char **argv)
 	 * zombies are reaped and their trees stay findable. */
 	prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
 	signal(SIGPIPE, SIG_IGN);
+	/* Fixed thresholds (no dynamic growth): big output buffers are mmap'd and given back to
+	 * the kernel when freed, so an agent returns to its small idle footprint after a burst. */
+	mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+	mallopt(M_TRIM_THRESHOLD, 128 * 1024);
 
 	/* Many concurrent execs need many pipes; children get the original limit back. */
 	getrlimit(RLIMIT_NOFILE, &g_orig_nofile);

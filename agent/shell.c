@@ -85,31 +85,30 @@ static ssize_t shell_read(struct shell *sh, struct src *s, int type, int ignore_
 	struct conn *c = sh->running && sh->st ? sh->st->conn : NULL;
 	uint64_t *count = type == F_STDOUT ? &sh->nout : &sh->nerr;
 	int capped = sh->max_output && *count >= sh->max_output;
-	ssize_t n;
-	if (c && !capped) {
-		if (!ignore_full && conn_out_full(c)) {
-			src_want(s, 0);
-			return -1;
-		}
-		size_t want = CHUNK;
-		if (sh->max_output && sh->max_output - *count < want)
-			want = (size_t)(sh->max_output - *count);
-		uint8_t *p = conn_frame_begin(c, want);
-		n = read(s->fd, p, want);
-		if (n > 0) {
-			conn_frame_commit(c, type, sh->st->id, (size_t)n);
-			*count += (uint64_t)n;
-		}
-	} else {
-		n = read(s->fd, g_scratch, sizeof g_scratch);
-		if (n > 0 && capped && sh->running)
-			sh->truncated = 1;
+	if (c && !capped && !ignore_full && conn_out_full(c)) {
+		src_want(s, 0);
+		return -1;
 	}
-	if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+	ssize_t n = read(s->fd, g_scratch, sizeof g_scratch);
+	if (n > 0) {
+		if (c && !capped) {
+			size_t take = (size_t)n;
+			if (sh->max_output && sh->max_output - *count < take) {
+				take = (size_t)(sh->max_output - *count);
+				sh->truncated = 1;
+			}
+			conn_send(c, type, sh->st->id, g_scratch, take);
+			*count += take;
+		} else if (capped && sh->running) {
+			sh->truncated = 1;
+		}
+		return n;
+	}
+	if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
 		src_close(s);
 		return 0;
 	}
-	return n > 0 ? n : -1;
+	return -1;
 }
 
 static void shell_drain(struct shell *sh, struct src *s, int type)

@@ -50,7 +50,8 @@ class NetworkManager:
 
     def __init__(self, paths: Paths) -> None:
         self.paths = paths
-        self.leases = paths.home / "net" / "leases"
+        # host-global (not per SHOAL_HOME): every node agent on this host shares the one bridge and subnet
+        self.leases = Path(os.environ.get("SHOAL_NET_LEASES", "/run/shoal/net-leases"))
         self._bridge_ready = False
 
     def resolv_conf(self) -> Path:
