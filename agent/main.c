@@ -314,23 +314,8 @@ int main(int argc, char **argv)
 	reap();
 
 	struct epoll_event evs[64];
+	int timeout = 0;
 	for (;;) {
-		int64_t now = now_ms();
-		int64_t next = exec_timers(now);
-		int64_t n2 = shell_timers(now);
-		if (n2 >= 0 && (next < 0 || n2 < next))
-			next = n2;
-		if (g_serial_path && g_serial_reopen_at >= 0) {
-			if (now >= g_serial_reopen_at)
-				serial_open();
-			if (g_serial_reopen_at >= 0 && (next < 0 || g_serial_reopen_at < next))
-				next = g_serial_reopen_at;
-		}
-		int timeout = -1;
-		if (g_kicked)
-			timeout = 0;
-		else if (next >= 0)
-			timeout = next > now ? (int)(next - now) : 0;
 		int n = epoll_wait(g_epfd, evs, 64, timeout);
 		if (n < 0 && errno != EINTR) {
 			logmsg("epoll_wait: %s", strerror(errno));
@@ -362,13 +347,32 @@ int main(int argc, char **argv)
 				conn_process(c);
 			}
 		}
-		/* Answer within the same iteration: frames queued above go out now, coalesced. */
+		/* Timers run after the events and before the flush, so whatever they answer (an
+		 * exec's RESP after its grace period) goes out in this iteration. */
+		int64_t now = now_ms();
+		int64_t next = exec_timers(now);
+		int64_t n2 = shell_timers(now);
+		if (n2 >= 0 && (next < 0 || n2 < next))
+			next = n2;
+		if (g_serial_path && g_serial_reopen_at >= 0) {
+			if (now >= g_serial_reopen_at)
+				serial_open();
+			if (g_serial_reopen_at >= 0 && (next < 0 || g_serial_reopen_at < next))
+				next = g_serial_reopen_at;
+		}
+		/* Frames queued above go out now, coalesced per connection. */
 		struct conn *c, *nx;
 		for (c = g_conns; c; c = nx) {
 			nx = c->next;
 			if (c->out.len)
 				conn_flush(c);
 		}
+		if (g_kicked)
+			timeout = 0;
+		else if (next < 0)
+			timeout = -1;
+		else
+			timeout = next > now ? (int)(next - now) : 0;
 		run_deferred();
 	}
 }

@@ -415,7 +415,7 @@ void op_shell_run(struct conn *c, uint32_t sid, const struct jv *req)
 		return;
 	}
 	if (sh->running) {
-		conn_send_err(c, sid, "shell_busy", "the shell is running another command", 0);
+		conn_send_err(c, sid, "shell_busy", "the shell is busy with another command", 0);
 		return;
 	}
 	uint8_t rnd[16];

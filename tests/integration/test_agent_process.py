@@ -1,0 +1,922 @@
+"""The real shoal-agent binary, started as a normal process, driven through AgentClient.
+
+Nothing is built here: run `make -C agent` first (the test module is skipped otherwise).
+Every test kills the agent and every process it started, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shoal.agentproto import AgentClient
+from shoal.agentproto import frames as F
+from shoal.errors import (
+    FileNotFound,
+    InvalidRequest,
+    SandboxError,
+    SandboxFileError,
+    ShellNotFound,
+    Unauthorized,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT = REPO / "build" / "shoal-agent"
+
+pytestmark = [
+    pytest.mark.skipif(not AGENT.exists(), reason=f"{AGENT} is missing: run `make -C agent` first"),
+    pytest.mark.skipif(shutil.which("bash") is None, reason="bash is needed for shells"),
+    pytest.mark.timeout(120),
+]
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, state) for every process."""
+    out: dict[int, tuple[int, str]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(")") + 2 :].split()
+        out[int(d)] = (int(rest[1]), rest[0])
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of pid (by parent links)."""
+    table = _proc_table()
+    kids: dict[int, list[int]] = {}
+    for p, (pp, _) in table.items():
+        kids.setdefault(pp, []).append(p)
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            if k not in found:
+                found.add(k)
+                todo.append(k)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(")") + 2] not in "ZX"
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """Wait until none of pids is alive; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def rss_kib(pid: int, field: str = "VmHWM") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen[bytes]
+    sock: str
+    dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def connect(self, token: str | None = None) -> AgentClient:
+        return await AgentClient.connect_unix(self.sock, token=token, timeout=5)
+
+
+def start_agent(extra: list[str] | None = None) -> Agent:
+    # A short path: Unix socket names are limited to 108 bytes.
+    d = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
+    sock = str(d / "a.sock")
+    proc = subprocess.Popen([str(AGENT), "--listen", sock, *(extra or [])], start_new_session=True)
+    deadline = time.monotonic() + 5
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"agent did not start (exit {proc.poll()})")
+        time.sleep(0.005)
+    return Agent(proc, sock, d)
+
+
+def stop_agent(a: Agent) -> None:
+    """Kill the agent and everything below it (collected first: orphans re-parent away)."""
+    tree = descendants(a.pid)
+    if a.proc.poll() is None:
+        a.proc.send_signal(signal.SIGTERM)
+        try:
+            a.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            a.proc.kill()
+            a.proc.wait()
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(a.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = start_agent()
+    try:
+        yield a
+    finally:
+        stop_agent(a)
+
+
+@pytest.fixture
+async def client(agent: Agent) -> AsyncIterator[AgentClient]:
+    c = await agent.connect()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+class RawConn:
+    """A plain blocking socket speaking frames by hand, for what AgentClient never sends."""
+
+    def __init__(self, path: str) -> None:
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(10)
+        self.s.connect(path)
+        self.dec = F.FrameDecoder()
+        self.pending: list[F.Frame] = []
+
+    def send(self, raw: bytes) -> None:
+        self.s.sendall(raw)
+
+    def req(self, sid: int, op: str, **fields: object) -> None:
+        self.send(F.encode_request(sid, op, **fields))
+
+    def frame(self) -> F.Frame | None:
+        """Next frame, or None at EOF."""
+        while not self.pending:
+            data = self.s.recv(1 << 16)
+            if not data:
+                return None
+            self.pending += self.dec.feed(data)
+        return self.pending.pop(0)
+
+    def until_end(self, sid: int) -> tuple[F.Frame, bytes]:
+        """Collect stream sid's output up to its RESP/ERR."""
+        out = bytearray()
+        while True:
+            fr = self.frame()
+            assert fr is not None, "connection closed before the stream ended"
+            if fr.stream != sid:
+                continue
+            if fr.type in (F.RESP, F.ERR):
+                return fr, bytes(out)
+            out += fr.payload
+
+    def close(self) -> None:
+        self.s.close()
+
+
+# ---------------------------------------------------------------------------- exec
+
+
+async def test_exec_exit_codes_stdout_stderr(client: AgentClient) -> None:
+    r = await client.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (r.exit_code, r.stdout, r.stderr, r.signal, r.timed_out) == (3, b"out\n", b"err\n", 0, False)
+    assert (await client.exec(["true"])).ok
+    assert (await client.exec(["false"])).exit_code == 1
+
+
+async def test_exec_killed_by_signal_reports_128_plus_n(client: AgentClient) -> None:
+    r = await client.exec(["sh", "-c", "kill -9 $$"])
+    assert (r.exit_code, r.signal) == (137, 9)
+
+
+async def test_exec_env_cwd_and_binary_output(client: AgentClient, agent: Agent) -> None:
+    r = await client.exec(["sh", "-c", 'printf "%s|%s|" "$FOO" "$PWD"; printf "\\000\\377"'],
+                          env={"FOO": "bar baz"}, cwd=str(agent.dir))
+    assert r.stdout == f"bar baz|{agent.dir}|".encode() + b"\x00\xff"
+    # The agent's own environment is inherited (PATH at least) and can be overridden.
+    r = await client.exec(["sh", "-c", "echo $PATH"], env={"PATH": "/bin:/usr/bin"})
+    assert r.stdout == b"/bin:/usr/bin\n"
+
+
+async def test_exec_as_root_and_as_other_users(client: AgentClient) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("switching users needs root")
+    r = await client.exec(["id", "-u"])
+    assert r.stdout == b"0\n"
+    r = await client.exec(["sh", "-c", "id -u; id -g; id -G"], user="65534")
+    assert r.stdout.split() == [b"65534", b"65534", b"65534"]
+    r = await client.exec(["sh", "-c", "id -u; id -g; echo $HOME $USER"], user="nobody")
+    assert r.stdout.split()[:2] == [b"65534", b"65534"]
+    assert r.stdout.split()[2:] == [b"/nonexistent", b"nobody"]
+    r = await client.exec(["sh", "-c", "id -u; id -g"], user="1234:4321")
+    assert r.stdout.split() == [b"1234", b"4321"]
+    # Supplementary groups come from /etc/group (sync's primary group is 65534, member of none).
+    r = await client.exec(["id", "-G"], user="root")
+    assert r.stdout.split()[0] == b"0"
+
+
+async def test_exec_request_errors(client: AgentClient) -> None:
+    with pytest.raises(InvalidRequest, match="cwd"):
+        await client.exec(["true"], cwd="/definitely/not/here")
+    with pytest.raises(InvalidRequest, match="no such user"):
+        await client.exec(["true"], user="no-such-user-xyz")
+    with pytest.raises(SandboxError, match="execvp: No such file or directory"):
+        await client.exec(["/no/such/binary"])
+    with pytest.raises(SandboxError, match="execvp"):
+        await client.exec(["no-such-command-xyz"])
+    with pytest.raises(InvalidRequest):
+        await client.exec([])
+    # The connection is still fine after errors.
+    assert (await client.exec(["true"])).ok
+
+
+async def test_children_get_clean_fds_signals_and_limits(client: AgentClient) -> None:
+    r = await client.exec(["python3", "-c", "import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')))"])
+    # 3 is listdir's own directory fd.
+    assert r.stdout == b"[0, 1, 2, 3]\n"
+    r = await client.exec(["grep", "-E", "^(SigBlk|SigIgn)", "/proc/self/status"])
+    for line in r.stdout.decode().splitlines():
+        assert set(line.split()[1]) == {"0"}, line
+    soft = (await client.exec(["sh", "-c", "ulimit -n"])).stdout.strip()
+    assert soft == str(__import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)[0]).encode()
+
+
+async def test_exec_stdin_round_trip(client: AgentClient) -> None:
+    data = os.urandom(3 << 20)
+    r = await client.exec(["cat"], stdin=data, max_output=0)
+    assert r.stdout == data
+    h = await client.exec_stream(["sh", "-c", "read a; echo got:$a; cat"], stdin=True)
+    await h.write_stdin(b"first\n")
+    first = await h.__anext__()
+    assert first.kind == "stdout" and first.data == b"got:first\n"
+    await h.write_stdin(b"rest")
+    await h.close_stdin()
+    r = await h.wait()
+    assert r.stdout == b"rest" and r.exit_code == 0
+
+
+async def test_exec_without_stdin_reads_dev_null(client: AgentClient) -> None:
+    r = await client.exec(["cat"], timeout=5)
+    assert r.ok and r.stdout == b""
+
+
+async def test_exec_stream_events_then_exit(client: AgentClient) -> None:
+    h = await client.exec_stream(["sh", "-c", "echo a; sleep 0.2; echo b >&2; exit 7"])
+    events = [ev async for ev in h]
+    assert [(e.kind, e.data) for e in events[:-1]] == [("stdout", b"a\n"), ("stderr", b"b\n")]
+    assert events[-1].kind == "exit" and events[-1].result is not None
+    assert events[-1].result.exit_code == 7
+    with pytest.raises(SandboxError):
+        await (await client.exec_stream(["/nope"])).wait()
+
+
+async def test_timeout_kills_the_whole_tree_but_not_the_agent(client: AgentClient, agent: Agent) -> None:
+    pidfile = agent.dir / "pids"
+    script = f"""
+        sleep 100 & echo $! >> {pidfile}
+        nohup sleep 101 > /dev/null 2>&1 & echo $! >> {pidfile}
+        (sleep 102 & echo $! >> {pidfile}) # double fork: orphaned, same session
+        sh -c 'trap "" TERM INT HUP; sleep 103' & echo $! >> {pidfile}
+        sleep 104
+    """
+    t0 = time.monotonic()
+    r = await client.exec(["bash", "-c", script], timeout=0.5)
+    assert r.timed_out and r.exit_code == 137 and r.signal == 9
+    assert time.monotonic() - t0 < 3
+    pids = [int(x) for x in pidfile.read_text().split()]
+    assert len(pids) == 4
+    assert wait_gone(pids) == []
+    assert agent.proc.poll() is None
+    assert (await client.exec(["echo", "still here"])).stdout == b"still here\n"
+
+
+async def test_background_server_survives_and_serves_later_execs(client: AgentClient, agent: Agent) -> None:
+    sock = agent.dir / "srv.sock"
+    server = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"s.bind({str(sock)!r}); s.listen()\n"
+        "while True:\n"
+        "    c, _ = s.accept(); c.sendall(b'pong'); c.close()\n"
+    )
+    t0 = time.monotonic()
+    r = await client.exec(["sh", "-c", f"python3 -c \"{server}\" > /dev/null 2>&1 &"], timeout=10)
+    assert r.ok and not r.timed_out
+    assert time.monotonic() - t0 < 2
+    client_code = (
+        "import socket, time\n"
+        "for _ in range(200):\n"
+        "    try:\n"
+        f"        s = socket.socket(socket.AF_UNIX); s.connect({str(sock)!r}); break\n"
+        "    except OSError: time.sleep(0.02)\n"
+        "print(s.recv(10).decode())\n"
+    )
+    r = await client.exec(["python3", "-c", client_code], timeout=10)
+    assert r.stdout == b"pong\n"
+
+
+async def test_background_job_holding_the_pipes_does_not_hold_the_exec(client: AgentClient) -> None:
+    t0 = time.monotonic()
+    r = await client.exec(["sh", "-c", "echo started; (sleep 3; echo late) & exit 0"])
+    took = time.monotonic() - t0
+    assert r.ok and r.stdout == b"started\n"
+    assert took < 1.5, f"exec waited {took:.2f}s for a background job"
+
+
+async def test_output_cap_truncates_and_agent_memory_stays_bounded(client: AgentClient, agent: Agent) -> None:
+    r = await client.exec(["sh", "-c", "yes | head -c 50000000; yes 2>/dev/null | head -c 3000000 >&2"],
+                          max_output=1 << 20, timeout=60)
+    assert r.truncated and r.ok
+    assert len(r.stdout) == 1 << 20 and len(r.stderr) == 1 << 20
+    assert r.stdout.startswith(b"y\ny\n")
+    r = await client.exec(["head", "-c", "1000", "/dev/zero"], max_output=1000)
+    assert not r.truncated and len(r.stdout) == 1000
+    assert rss_kib(agent.pid) < 16 * 1024
+
+
+async def test_slow_client_gets_backpressure_not_agent_bloat(agent: Agent) -> None:
+    total = 200 << 20
+    raw = RawConn(agent.sock)
+    try:
+        raw.req(1, "hello", version=1)
+        assert raw.until_end(1)[0].type == F.RESP
+        raw.req(2, "exec", argv=["head", "-c", str(total), "/dev/zero"], max_output=0)
+        await asyncio.sleep(1.0)  # not reading: the agent must stop reading the pipe
+        assert rss_kib(agent.pid, "VmRSS") < 24 * 1024
+        got = 0
+        while True:
+            fr = raw.frame()
+            assert fr is not None
+            if fr.type == F.STDOUT:
+                assert len(fr.payload) <= F.CHUNK
+                got += len(fr.payload)
+            elif fr.type in (F.RESP, F.ERR):
+                break
+        assert fr.type == F.RESP and got == total
+        assert rss_kib(agent.pid) < 32 * 1024
+    finally:
+        raw.close()
+
+
+async def test_tty_exec(client: AgentClient) -> None:
+    r = await client.exec(["tty"], tty=True)
+    assert re.fullmatch(rb"/dev/pts/\d+\r\n", r.stdout), r.stdout
+    r = await client.exec(["stty", "size"], tty=True, rows=33, cols=101)
+    assert r.stdout == b"33 101\r\n"
+
+
+async def _read_until(h: object, needle: bytes, timeout: float = 10) -> bytes:
+    buf = b""
+    async def go() -> bytes:
+        nonlocal buf
+        async for ev in h:  # type: ignore[attr-defined]
+            buf += ev.data
+            if needle in buf:
+                return buf
+        raise AssertionError(f"stream ended before {needle!r}: {buf!r}")
+    return await asyncio.wait_for(go(), timeout)
+
+
+async def test_tty_interactive_bash_round_trip_resize_and_ctrl_c(client: AgentClient) -> None:
+    h = await client.exec_stream(["bash", "--norc", "--noprofile", "-i"], tty=True, env={"PS1": "$ "})
+    await h.write_stdin(b"echo $((6*7))\n")
+    await _read_until(h, b"42")
+    await h.resize(40, 120)
+    await h.write_stdin(b"stty size\n")
+    await _read_until(h, b"40 120")
+    # SIGINT goes to the terminal's foreground job (sleep); bash -i survives it.
+    await h.write_stdin(b"sleep 100\n")
+    await asyncio.sleep(0.3)
+    await h.send_signal(signal.SIGINT)
+    await h.write_stdin(b"echo status-$?\n")
+    await _read_until(h, b"status-130")
+    await h.write_stdin(b"exit 5\n")
+    r = await asyncio.wait_for(h.wait(), 10)
+    assert r.exit_code == 5
+
+
+async def test_tty_python_repl(client: AgentClient) -> None:
+    h = await client.exec_stream(["python3", "-i", "-q"], tty=True)
+    await h.write_stdin(b"print(6*7)\n")
+    await _read_until(h, b"42")
+    await h.close_stdin()  # ^D at an empty prompt ends the REPL
+    r = await asyncio.wait_for(h.wait(), 10)
+    assert r.exit_code == 0
+
+
+async def test_signals_reach_the_process_group(client: AgentClient) -> None:
+    h = await client.exec_stream(["sh", "-c", "sleep 100 & sleep 100; echo never"])
+    await asyncio.sleep(0.2)
+    await h.send_signal(signal.SIGTERM)
+    r = await asyncio.wait_for(h.wait(), 5)
+    assert (r.exit_code, r.signal) == (143, 15)
+
+
+async def test_many_concurrent_execs_on_one_connection(client: AgentClient) -> None:
+    async def one(i: int) -> None:
+        r = await client.exec(["sh", "-c", 'echo "$0"; echo "e$0" >&2', str(i)])
+        assert (r.stdout, r.stderr, r.exit_code) == (f"{i}\n".encode(), f"e{i}\n".encode(), 0)
+
+    await asyncio.gather(*(one(i) for i in range(200)))
+
+
+async def test_detached_exec_returns_pid_at_once(client: AgentClient, agent: Agent) -> None:
+    marker = agent.dir / "detached"
+    t0 = time.monotonic()
+    pid = await client.exec_detached(["sh", "-c", f"sleep 0.3; echo ok > {marker}; sleep 100"])
+    assert time.monotonic() - t0 < 0.25
+    assert alive(pid)
+    for _ in range(100):
+        if marker.exists():
+            break
+        await asyncio.sleep(0.02)
+    assert marker.read_text() == "ok\n"
+    pid2 = await client.exec_detached(["sleep", "100"], timeout=0.2)
+    assert wait_gone([pid2], 3) == []
+
+
+async def test_closing_the_connection_does_not_kill_processes(agent: Agent) -> None:
+    marker = agent.dir / "done"
+    c = await agent.connect()
+    h = await c.exec_stream(["sh", "-c", f"sleep 0.5; echo x; echo done > {marker}"])
+    await asyncio.sleep(0.1)
+    await c.close()
+    with pytest.raises(SandboxError):
+        await h.wait()
+    await asyncio.sleep(1.0)
+    assert marker.read_text() == "done\n"
+    c2 = await agent.connect()
+    try:
+        assert (await c2.exec(["true"])).ok
+    finally:
+        await c2.close()
+
+
+async def test_agent_death_fails_pending_requests_promptly(agent: Agent) -> None:
+    c = await agent.connect()
+    try:
+        pending = asyncio.ensure_future(c.exec(["sleep", "100"]))
+        await asyncio.sleep(0.1)
+        os.kill(agent.pid, signal.SIGKILL)
+        with pytest.raises(SandboxError, match="connection lost"):
+            await asyncio.wait_for(pending, 3)
+        with pytest.raises(SandboxError):
+            await c.exec(["true"])
+    finally:
+        await c.close()
+
+
+async def test_sigterm_kills_everything_and_exits_0(agent: Agent) -> None:
+    c = await agent.connect()
+    try:
+        pid = await c.exec_detached(["sleep", "100"])
+        sh = await c.shell_open()
+        r = await c.shell_run(sh, "sleep 100 & echo $!")
+        bg = int(r.stdout)
+    finally:
+        await c.close()
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(5) == 0
+    assert wait_gone([pid, bg]) == []
+    assert not os.path.exists(agent.sock)
+
+
+async def test_zombies_are_reaped(client: AgentClient, agent: Agent) -> None:
+    # Orphans (the double-forked children) re-parent to the agent, which must reap them.
+    await asyncio.gather(*(client.exec(["sh", "-c", "(true &) ; (sleep 0.05 &) ; true"]) for _ in range(100)))
+    await asyncio.sleep(0.5)
+    for _ in range(50):
+        zombies = [p for p, (pp, st) in _proc_table().items() if st == "Z" and pp == agent.pid]
+        if not zombies:
+            break
+        await asyncio.sleep(0.05)
+    assert zombies == []
+
+
+async def test_ps_lists_processes(client: AgentClient) -> None:
+    h = await client.exec_stream(["sleep", "5"])
+    await asyncio.sleep(0.1)
+    procs = await client.ps()
+    assert any(p["comm"] == "sleep" for p in procs)
+    assert all({"pid", "ppid", "comm", "state"} <= p.keys() for p in procs)
+    await h.send_signal(signal.SIGKILL)
+    await h.wait()
+
+
+# ---------------------------------------------------------------------------- shells
+
+
+async def test_shell_state_persists(client: AgentClient, agent: Agent) -> None:
+    sh = await client.shell_open(cwd=str(agent.dir), env={"GREETING": "hi"})
+    (agent.dir / "venv" / "bin").mkdir(parents=True)
+    (agent.dir / "venv" / "bin" / "activate").write_text(
+        'export VIRTUAL_ENV=/fake/venv\nexport PATH="$VIRTUAL_ENV/bin:$PATH"\ndeactivate() { unset VIRTUAL_ENV; }\n'
+    )
+    for cmd in [
+        "cd /tmp",
+        "export X=42; Y=local",
+        "greet() { echo \"$GREETING $1\"; }",
+        "alias ll='echo aliased'",
+        f"source {agent.dir}/venv/bin/activate",
+    ]:
+        r = await client.shell_run(sh, cmd)
+        assert r.exit_code == 0 and r.alive, (cmd, r)
+    r = await client.shell_run(sh, 'pwd; echo $X $Y; greet world; ll; echo $VIRTUAL_ENV; type -t deactivate')
+    assert r.stdout == b"/tmp\n42 local\nhi world\naliased\n/fake/venv\nfunction\n"
+    r = await client.shell_run(sh, "false")
+    assert r.exit_code == 1 and r.alive
+    r = await client.shell_run(sh, "echo to-stderr >&2; (exit 9)")
+    assert (r.stderr, r.exit_code) == (b"to-stderr\n", 9)
+    await client.shell_close(sh)
+
+
+async def test_shell_cannot_be_confused_by_output(client: AgentClient) -> None:
+    sh = await client.shell_open()
+    # Status-looking text on stdout/stderr, writes to the (closed) fds 3 and 4, NUL bytes,
+    # and the nonce itself printed: none of it may end the command early.
+    cmd = (
+        'printf "%s 0\\n" "$__shoal_nonce"; printf "%s 0\\n" "$__shoal_nonce" >&2; '
+        "echo 0 >&4; echo 'x' >&3; printf 'deadbeef 0\\n\\0\\0'; "
+        "sleep 0.3; echo after"
+    )
+    t0 = time.monotonic()
+    r = await client.shell_run(sh, cmd)
+    assert time.monotonic() - t0 >= 0.3
+    assert r.stdout.endswith(b"after\n") and r.alive
+    assert b"Bad file descriptor" in r.stderr
+    r = await client.shell_run(sh, "ls /proc/$BASHPID/fd | sort -n | head -5; python3 -c "
+                               "\"import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')))\"")
+    # A command's processes see only 0, 1, 2 (and listdir's own fd).
+    assert r.stdout.splitlines()[-1] == b"[0, 1, 2, 3]"
+    r = await client.shell_run(sh, "echo next")
+    assert r.stdout == b"next\n"
+    await client.shell_close(sh)
+
+
+async def test_shell_timeout_interrupts_command_and_shell_lives(client: AgentClient) -> None:
+    sh = await client.shell_open()
+    r = await client.shell_run(sh, "export KEEP=1; sleep 300 & echo $!")
+    bg = int(r.stdout)
+    t0 = time.monotonic()
+    r = await client.shell_run(sh, "sleep 100", timeout=0.3)
+    assert r.timed_out and r.exit_code == 130 and r.alive
+    assert time.monotonic() - t0 < 2
+    # An INT-ignoring command is SIGKILLed a second later.
+    r = await client.shell_run(sh, "trap '' INT; sleep 100", timeout=0.3)
+    assert r.timed_out and r.exit_code == 137 and r.alive
+    r = await client.shell_run(sh, "echo $KEEP")
+    assert r.stdout == b"1\n"
+    assert alive(bg), "a background job of an earlier command must survive a later timeout"
+    await client.shell_close(sh)
+    assert wait_gone([bg]) == []
+
+
+async def test_shell_busy_loop_in_bash_itself_ends_the_shell(client: AgentClient) -> None:
+    sh = await client.shell_open()
+    r = await client.shell_run(sh, "while :; do :; done", timeout=0.2)
+    assert r.timed_out and not r.alive
+    with pytest.raises(ShellNotFound):
+        await client.shell_run(sh, "true")
+
+
+async def test_shell_exit_reports_dead_shell(client: AgentClient) -> None:
+    sh = await client.shell_open()
+    r = await client.shell_run(sh, "echo bye; exit 3")
+    assert (r.stdout, r.exit_code, r.alive) == (b"bye\n", 3, False)
+    with pytest.raises(ShellNotFound):
+        await client.shell_run(sh, "true")
+    sh = await client.shell_open()
+    r = await client.shell_run(sh, "set -e; false; echo unreachable")
+    assert not r.alive and r.stdout == b""
+    sh = await client.shell_open()
+    r = await client.shell_run(sh, "exec sh -c 'exit 4'")
+    assert (r.exit_code, r.alive) == (4, False)
+
+
+async def test_two_shells_at_once_and_busy(client: AgentClient) -> None:
+    a, b = await client.shell_open(), await client.shell_open()
+    assert a != b
+    t0 = time.monotonic()
+    ra, rb = await asyncio.gather(client.shell_run(a, "sleep 0.5; echo a"), client.shell_run(b, "sleep 0.5; echo b"))
+    assert (ra.stdout, rb.stdout) == (b"a\n", b"b\n")
+    assert time.monotonic() - t0 < 0.95
+    first = asyncio.ensure_future(client.shell_run(a, "sleep 0.3"))
+    await asyncio.sleep(0.05)
+    with pytest.raises(InvalidRequest, match="busy"):
+        await client.shell_run(a, "true")
+    assert (await first).ok
+    await client.shell_close(a)
+    await client.shell_close(b)
+    with pytest.raises(ShellNotFound):
+        await client.shell_close(a)
+
+
+async def test_shell_output_cap_signal_and_user(client: AgentClient) -> None:
+    sh = await client.shell_open(user="65534" if os.geteuid() == 0 else None)
+    r = await client.shell_run(sh, "head -c 100000 /dev/zero; echo done >&2", max_output=1000)
+    assert r.truncated and len(r.stdout) == 1000 and r.stderr == b"done\n"
+    if os.geteuid() == 0:
+        assert (await client.shell_run(sh, "id -u")).stdout == b"65534\n"
+    h = await client.shell_run_stream(sh, "sleep 100; echo rc=$?")
+    await asyncio.sleep(0.2)
+    await h.send_signal(signal.SIGTERM)
+    r = await asyncio.wait_for(h.wait(), 5)
+    assert r.stdout == b"rc=143\n" and r.alive
+
+
+async def test_shell_survives_client_reconnect(agent: Agent) -> None:
+    c1 = await agent.connect()
+    sh = await c1.shell_open()
+    await c1.shell_run(sh, "export SURVIVOR=yes")
+    await c1.close()
+    c2 = await agent.connect()
+    try:
+        assert (await c2.shell_run(sh, "echo $SURVIVOR")).stdout == b"yes\n"
+    finally:
+        await c2.close()
+
+
+async def test_long_command_text(client: AgentClient) -> None:
+    sh = await client.shell_open()
+    body = "x" * 300_000
+    r = await client.shell_run(sh, f"v='{body}'; echo ${{#v}}")
+    assert r.stdout == b"300000\n"
+
+
+# ---------------------------------------------------------------------------- files
+
+
+async def test_file_round_trip_5mib(client: AgentClient, agent: Agent) -> None:
+    data = os.urandom(5 << 20)
+    path = str(agent.dir / "sub" / "dir" / "blob.bin")
+    assert await client.write_file(path, data) == len(data)
+    assert await client.read_file(path) == data
+    assert await client.read_file(path, offset=100, limit=50) == data[100:150]
+    assert Path(path).read_bytes() == data
+
+
+async def test_file_errors(client: AgentClient, agent: Agent) -> None:
+    with pytest.raises(FileNotFound):
+        await client.read_file(str(agent.dir / "missing"))
+    with pytest.raises(SandboxFileError, match="directory"):
+        await client.read_file(str(agent.dir))
+    with pytest.raises(InvalidRequest):
+        await client.read_file("relative/path")
+    with pytest.raises(SandboxFileError):
+        await client.write_file(str(agent.dir), b"x")
+    with pytest.raises(FileNotFound):
+        await client.write_file(str(agent.dir / "nodir" / "f"), b"x", mkdirs=False)
+    with pytest.raises(FileNotFound):
+        await client.stat(str(agent.dir / "missing"))
+    with pytest.raises(FileNotFound):
+        await client.remove(str(agent.dir / "missing"))
+    (agent.dir / "full").mkdir()
+    (agent.dir / "full" / "f").write_text("x")
+    with pytest.raises(SandboxFileError):
+        await client.remove(str(agent.dir / "full"))
+    with pytest.raises(SandboxFileError):
+        await client.mkdir(str(agent.dir / "full"), parents=False)
+
+
+async def test_write_modes_append_and_owner(client: AgentClient, agent: Agent) -> None:
+    p = agent.dir / "m.txt"
+    await client.write_file(str(p), b"one\n", mode=0o600)
+    assert (p.stat().st_mode & 0o777) == 0o600
+    await client.write_file(str(p), b"two\n", append=True)
+    assert p.read_bytes() == b"one\ntwo\n"
+    if os.geteuid() == 0:
+        await client.write_file(str(agent.dir / "owned" / "f"), b"x", user="65534")
+        st = await client.stat(str(agent.dir / "owned" / "f"))
+        assert (st["uid"], st["gid"]) == (65534, 65534)
+        assert (agent.dir / "owned").stat().st_uid == 65534
+    await client.write_file(str(p), b"")
+    assert p.read_bytes() == b""
+
+
+async def test_write_is_atomic_when_the_client_disconnects_mid_upload(agent: Agent) -> None:
+    target = agent.dir / "atomic.txt"
+    target.write_bytes(b"old content")
+    raw = RawConn(agent.sock)
+    raw.req(1, "hello", version=1)
+    raw.until_end(1)
+    raw.req(2, "write_file", path=str(target))
+    raw.send(F.encode_frame(F.DATA, 2, b"new" * 100_000))
+    raw.req(3, "stat", path=str(target))
+    raw.until_end(3)  # the agent has processed the DATA frame by now
+    assert len(list(agent.dir.iterdir())) == 3  # a.sock, target, the temporary file
+    raw.close()
+    c = await agent.connect()  # the agent is alive and has handled the disconnect
+    try:
+        for _ in range(100):
+            if sorted(x.name for x in agent.dir.iterdir()) == ["a.sock", "atomic.txt"]:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(x.name for x in agent.dir.iterdir()) == ["a.sock", "atomic.txt"]
+        assert target.read_bytes() == b"old content"
+    finally:
+        await c.close()
+
+
+async def test_list_dir_stat_mkdir_remove(client: AgentClient, agent: Agent) -> None:
+    d = agent.dir / "tree"
+    await client.mkdir(str(d / "a" / "b"))
+    await client.write_file(str(d / "f.txt"), b"hello")
+    os.symlink("/etc/passwd", d / "link")
+    os.mkfifo(d / "fifo")
+    weird = os.fsdecode(b"bad\xffname")
+    await client.write_file(str(d) + "/" + weird, b"w")
+    entries = await client.list_dir(str(d))
+    assert [e.name for e in entries] == sorted(["a", "f.txt", "link", "fifo", weird])
+    kinds = {e.name: e.type for e in entries}
+    assert kinds == {"a": "dir", "f.txt": "file", "link": "symlink", "fifo": "other", weird: "file"}
+    f = next(e for e in entries if e.name == "f.txt")
+    assert f.size == 5 and f.mode == 0o644 and abs(f.mtime - time.time()) < 60
+    assert os.path.exists(os.fsencode(str(d)) + b"/bad\xffname")
+    st = await client.stat(str(d / "link"))
+    assert st["type"] == "symlink"
+    assert (await client.stat(str(d / "a")))["type"] == "dir"
+    assert len(await client.list_dir(str(d), limit=2)) == 2
+    with pytest.raises(SandboxFileError):
+        await client.list_dir(str(d / "f.txt"))
+    await client.remove(str(d / "f.txt"))
+    await client.remove(str(d / "a" / "b"))
+    (d / "a" / "deep" / "er").mkdir(parents=True)
+    (d / "a" / "deep" / "er" / "x").write_text("x")
+    os.symlink("/etc", d / "a" / "deep" / "etc-link")  # must not be followed
+    await client.remove(str(d), recursive=True)
+    assert not d.exists() and os.path.exists("/etc/passwd")
+    await client.sync()
+
+
+async def test_read_file_on_fifo_does_not_hang(client: AgentClient, agent: Agent) -> None:
+    os.mkfifo(agent.dir / "p")
+    with pytest.raises(SandboxFileError):
+        await asyncio.wait_for(client.read_file(str(agent.dir / "p")), 3)
+
+
+# ---------------------------------------------------------------------------- protocol
+
+
+def test_token_auth() -> None:
+    d = Path(tempfile.mkdtemp(prefix="sa-tok-", dir="/tmp"))
+    tok = d / "token"
+    tok.write_text("s3cret-token\n")
+    a = start_agent(["--token-file", str(tok)])
+    try:
+        deadline = time.monotonic() + 2
+        while tok.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not tok.exists(), "the agent must unlink its token file"
+
+        async def go() -> None:
+            with pytest.raises(Unauthorized):
+                await a.connect()
+            with pytest.raises(Unauthorized):
+                await a.connect(token="wrong")
+            raw = RawConn(a.sock)
+            raw.req(1, "exec", argv=["true"])
+            fr, _ = raw.until_end(1)
+            assert fr.type == F.ERR and F.decode_json(fr.payload)["code"] == "unauthorized"
+            raw.close()
+            c = await a.connect(token="s3cret-token")
+            try:
+                assert (await c.exec(["echo", "ok"])).stdout == b"ok\n"
+            finally:
+                await c.close()
+
+        asyncio.run(go())
+    finally:
+        stop_agent(a)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_malformed_frames(agent: Agent) -> None:
+    raw = RawConn(agent.sock)
+    raw.send(F.encode_frame(F.REQ, 1, b"{not json"))
+    fr, _ = raw.until_end(1)
+    assert fr.type == F.ERR and F.decode_json(fr.payload)["code"] == "bad_request"
+    raw.send(F.encode_frame(F.REQ, 2, b'{"op":"frobnicate"}'))
+    fr, _ = raw.until_end(2)
+    assert F.decode_json(fr.payload)["code"] == "unknown_op"
+    raw.send(F.encode_frame(F.REQ, 3, b'{"op":"exec","argv":"true"}'))
+    fr, _ = raw.until_end(3)
+    assert F.decode_json(fr.payload)["code"] == "bad_request"
+    raw.send(F.encode_frame(F.REQ, 4, b"[1,2,3]"))
+    assert F.decode_json(raw.until_end(4)[0].payload)["code"] == "bad_request"
+    raw.send(F.encode_frame(F.REQ, 0, b'{"op":"hello"}'))
+    assert F.decode_json(raw.until_end(0)[0].payload)["code"] == "bad_request"
+    # Frames for streams that do not exist are ignored.
+    raw.send(F.encode_frame(F.STDIN, 77, b"x") + F.encode_frame(F.DATA_END, 78) + F.encode_frame(0x7F, 1, b""))
+    raw.req(5, "hello")
+    assert raw.until_end(5)[0].type == F.RESP
+    # An oversized length: ERR on stream 0, then the agent closes the connection.
+    raw.send(struct.pack(">IBI", F.MAX_PAYLOAD + 6, F.REQ, 6))
+    fr = raw.frame()
+    assert fr is not None and fr.type == F.ERR and fr.stream == 0
+    assert raw.frame() is None
+    raw.close()
+    # Random garbage: closed or answered, never a crash.
+    for seed in range(5):
+        raw = RawConn(agent.sock)
+        raw.send(os.urandom(4096 + seed))
+        raw.s.shutdown(socket.SHUT_WR)
+        while raw.frame() is not None:
+            pass
+        raw.close()
+    assert agent.proc.poll() is None
+    c = await agent.connect()
+    try:
+        assert (await c.exec(["true"])).ok
+    finally:
+        await c.close()
+
+
+async def test_connect_stream_and_concurrent_clients(agent: Agent) -> None:
+    reader, writer = await asyncio.open_unix_connection(agent.sock)
+    c1 = await AgentClient.connect_stream(reader, writer)
+    c2 = await agent.connect()
+    try:
+        r1, r2 = await asyncio.gather(c1.exec(["echo", "1"]), c2.exec(["echo", "2"]))
+        assert (r1.stdout, r2.stdout) == (b"1\n", b"2\n")
+    finally:
+        await c1.close()
+        await c2.close()
+
+
+async def test_serial_mode_over_a_pty(tmp_path: Path) -> None:
+    """--serial: one byte stream (here a PTY pair standing in for a virtio-serial port)."""
+    master, slave = os.openpty()
+    name = os.ttyname(slave)
+    proc = subprocess.Popen([str(AGENT), "--serial", name], start_new_session=True)
+    a = Agent(proc, "", tmp_path)
+    try:
+        # Our slave fd stays open: a PTY master reads EIO whenever no slave is open, and the
+        # agent opens its own only once it has started.
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        rfile = os.fdopen(os.dup(master), "rb", buffering=0)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), rfile)
+        wfile = os.fdopen(os.dup(master), "wb", buffering=0)
+        wt, wp = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, wfile)
+        writer = asyncio.StreamWriter(wt, wp, reader, loop)
+        # The agent switches the line to raw mode on open; give it a moment before talking.
+        await asyncio.sleep(0.2)
+        c = await AgentClient.connect_stream(reader, writer, timeout=5)
+        data = bytes(range(256)) * 64
+        r = await c.exec(["cat"], stdin=data, max_output=0)
+        assert r.stdout == data
+        await c.close()
+    finally:
+        os.close(master)
+        os.close(slave)
+        stop_agent(a)
+
+
+async def test_exec_round_trip_latency(client: AgentClient) -> None:
+    for _ in range(20):
+        await client.exec(["true"])
+    lat = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        await client.exec(["true"])
+        lat.append(time.perf_counter() - t0)
+    lat.sort()
+    p50 = lat[len(lat) // 2]
+    assert p50 < 0.02, f"exec p50 {p50 * 1000:.2f} ms"
