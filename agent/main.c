@@ -124,7 +124,12 @@ static void on_signals(void)
 			switch (si[i].ssi_signo) {
 			case SIGCHLD: chld = 1; break;
 			case SIGTERM:
-			case SIGINT: shutdown_all(); break;
+			case SIGINT:
+				/* As PID 1, only the host may stop the sandbox: a sender outside our PID
+				 * namespace shows up as pid 0. Processes in the sandbox are root too. */
+				if (getpid() != 1 || si[i].ssi_pid == 0)
+					shutdown_all();
+				break;
 			default: break;
 			}
 		}
@@ -310,6 +315,8 @@ int main(int argc, char **argv)
 	} else {
 		serial_open();
 	}
+	/* Relative paths in our arguments are resolved by now; do not pin any directory. */
+	if (chdir("/") < 0) { /* keep whatever cwd we have: nothing depends on it */ }
 	/* Children started before we blocked SIGCHLD cannot exist, but orphans may: reap. */
 	reap();
 

@@ -1,6 +1,10 @@
-/* Persistent bash shells. bash reads "NONCE\0COMMAND\0" records from fd 3 and answers
- * "NONCE STATUS\n" on fd 4; both fds are closed while the command runs, and the nonce is
- * random per command, so nothing a command prints can end it early or fake its status. */
+/* Persistent bash shells.
+ *
+ * fd 3 of bash holds the command text: a memfd (a regular file, so bash's `read` takes it
+ * in 4 KiB blocks instead of one syscall per byte as on a pipe), or a pipe as a fallback.
+ * fd 4 is a private socket: the agent sends "NONCE\0" to start a command, bash answers
+ * "NONCE STATUS\n". Both fds are closed while the command runs and the nonce is random per
+ * command, so nothing a command prints, on any fd, can end it early or fake its status. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -9,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/random.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,7 +34,7 @@ extern uint8_t g_scratch[65536];
 
 static const char BOOTSTRAP[] =
 	"shopt -s expand_aliases\n"
-	"while IFS= builtin read -r -d '' -u 3 __shoal_nonce && "
+	"while IFS= builtin read -r -d '' -u 4 __shoal_nonce && "
 	"IFS= builtin read -r -d '' -u 3 __shoal_cmd; do\n"
 	"  builtin eval \"$__shoal_cmd\" 3<&- 4>&-\n"
 	"  builtin printf '%s %d\\n' \"$__shoal_nonce\" \"$?\" >&4\n"
@@ -38,8 +44,10 @@ struct shell {
 	struct shell *next;
 	char id[16];
 	pid_t pid;
-	struct src out, err, status;
-	struct sink cmd;
+	struct src out, err, status;   /* status: our end of bash's fd 4 socket */
+	struct sink bell;              /* a dup of the status socket, for writing nonces */
+	struct sink cmdpipe;           /* fallback when memfd_create is unavailable */
+	int memfd;                     /* the command text, shared with bash's fd 3 */
 	uint8_t dead;        /* bash exited: unknown to lookups, freed once its pipes close */
 	uint8_t closed;      /* shell_close: unknown to lookups */
 	/* the running command */
@@ -75,7 +83,10 @@ static void shell_maybe_free(struct shell *sh)
 		}
 	}
 	src_close(&sh->status);
-	sink_close(&sh->cmd);
+	sink_close(&sh->bell);
+	sink_close(&sh->cmdpipe);
+	if (sh->memfd >= 0)
+		close(sh->memfd);
 	defer_free(sh);
 }
 
@@ -148,6 +159,7 @@ static void shell_finish(struct shell *sh, int code, int alive)
 	sh->deadline = 0;
 	sh->phase = 0;
 	sh->slen = 0;
+	if (sh->memfd >= 0 && ftruncate(sh->memfd, 0) < 0) { /* only memory is at stake */ }
 	/* Between commands, background output is read and dropped. */
 	if (sh->out.fd >= 0)
 		src_want(&sh->out, EPOLLIN);
@@ -219,7 +231,8 @@ int shell_reaped(pid_t pid, int status)
 		return 0;
 	sh->dead = 1;
 	src_close(&sh->status);
-	sink_close(&sh->cmd);
+	sink_close(&sh->bell);
+	sink_close(&sh->cmdpipe);
 	int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 	if (sh->running)
 		shell_finish(sh, code, 0);
@@ -313,6 +326,22 @@ void shell_resume(struct stream *st)
 
 static void set_nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+static int pwrite_all(int fd, const void *p, size_t n, off_t off)
+{
+	const char *b = p;
+	while (n) {
+		ssize_t w = pwrite(fd, b, n, off);
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w < 0)
+			return -1;
+		b += w;
+		n -= (size_t)w;
+		off += w;
+	}
+	return 0;
+}
+
 void op_shell_open(struct conn *c, uint32_t sid, const struct jv *req)
 {
 	char msg[512];
@@ -322,18 +351,21 @@ void op_shell_open(struct conn *c, uint32_t sid, const struct jv *req)
 		conn_send_err(c, sid, code, msg, 0);
 		return;
 	}
-	/* p[k][0] read end, p[k][1] write end: out, err, cmd (to bash fd 3), status (bash fd 4). */
-	int p[4][2];
-	int made = 0, devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
-	for (; made < 4 && devnull >= 0; made++)
-		if (pipe2(p[made], O_CLOEXEC) < 0)
-			break;
-	if (devnull < 0 || made < 4) {
+	/* out and err pipes (p[k][0] ours), the command file, the control socket (sp[0] ours). */
+	int p[2][2] = {{-1, -1}, {-1, -1}}, sp[2] = {-1, -1}, cmdp[2] = {-1, -1};
+	int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	/* SHOAL_AGENT_NO_MEMFD: tests exercise the pipe fallback (kernels without memfd). */
+	int memfd = getenv("SHOAL_AGENT_NO_MEMFD") ? -1 : memfd_create("shoal-shell-cmd", MFD_CLOEXEC);
+	int ok = devnull >= 0 && pipe2(p[0], O_CLOEXEC) == 0 && pipe2(p[1], O_CLOEXEC) == 0 &&
+	         socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sp) == 0 &&
+	         (memfd >= 0 || pipe2(cmdp, O_CLOEXEC) == 0);
+	int bell = ok ? fcntl(sp[0], F_DUPFD_CLOEXEC, 3) : -1;
+	if (!ok || bell < 0) {
 		int saved = errno;
-		for (int i = 0; i < made; i++)
-			close(p[i][0]), close(p[i][1]);
-		if (devnull >= 0)
-			close(devnull);
+		int all[] = {devnull, memfd, p[0][0], p[0][1], p[1][0], p[1][1], sp[0], sp[1], cmdp[0], cmdp[1]};
+		for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+			if (all[i] >= 0)
+				close(all[i]);
 		spawn_opts_free(&opts);
 		snprintf(msg, sizeof msg, "pipe: %s", strerror(saved));
 		conn_send_err(c, sid, "spawn_failed", msg, saved);
@@ -341,18 +373,19 @@ void op_shell_open(struct conn *c, uint32_t sid, const struct jv *req)
 	}
 	char *argv[] = {"bash", "--noprofile", "--norc", "-c", (char *)BOOTSTRAP, "shoal-shell", NULL};
 	struct spawn_req r = {.argv = argv, .opts = &opts, .nfds = 5, .ctty = -1,
-	                      .fds = {devnull, p[0][1], p[1][1], p[2][0], p[3][1]}};
+	                      .fds = {devnull, p[0][1], p[1][1], memfd >= 0 ? memfd : cmdp[0], sp[1]}};
 	pid_t pid = spawn_process(&r);
 	close(devnull);
 	close(p[0][1]);
 	close(p[1][1]);
-	close(p[2][0]);
-	close(p[3][1]);
+	close(sp[1]);
+	if (cmdp[0] >= 0)
+		close(cmdp[0]);
 	if (pid < 0) {
-		close(p[0][0]);
-		close(p[1][0]);
-		close(p[2][1]);
-		close(p[3][0]);
+		int ours[] = {memfd, p[0][0], p[1][0], sp[0], bell, cmdp[1]};
+		for (size_t i = 0; i < sizeof ours / sizeof ours[0]; i++)
+			if (ours[i] >= 0)
+				close(ours[i]);
 		spawn_error(&r, &code, msg, sizeof msg);
 		conn_send_err(c, sid, code, msg, r.err_no);
 		spawn_opts_free(&opts);
@@ -363,12 +396,16 @@ void op_shell_open(struct conn *c, uint32_t sid, const struct jv *req)
 	memset(sh, 0, sizeof *sh);
 	snprintf(sh->id, sizeof sh->id, "s%u", ++g_shell_seq);
 	sh->pid = pid;
-	for (int i = 0; i < 4; i++)
-		set_nonblock(i == 2 ? p[i][1] : p[i][0]);
+	sh->memfd = memfd;
+	int nb[] = {p[0][0], p[1][0], sp[0], bell, cmdp[1]};
+	for (size_t i = 0; i < sizeof nb / sizeof nb[0]; i++)
+		if (nb[i] >= 0)
+			set_nonblock(nb[i]);
 	src_init(&sh->out, p[0][0], SK_SHELL_OUT, sh);
 	src_init(&sh->err, p[1][0], SK_SHELL_ERR, sh);
-	src_init(&sh->status, p[3][0], SK_SHELL_STATUS, sh);
-	sink_init(&sh->cmd, p[2][1]);
+	src_init(&sh->status, sp[0], SK_SHELL_STATUS, sh);
+	sink_init(&sh->bell, bell);
+	sink_init(&sh->cmdpipe, cmdp[1]);
 	src_want(&sh->out, EPOLLIN);
 	src_want(&sh->err, EPOLLIN);
 	src_want(&sh->status, EPOLLIN);
@@ -439,10 +476,21 @@ void op_shell_run(struct conn *c, uint32_t sid, const struct jv *req)
 	sh->start_ms = now_ms();
 	sh->start_tick = boot_ticks();
 	sh->deadline = timeout_ms ? sh->start_ms + timeout_ms : 0;
+	if (sh->memfd >= 0) {
+		/* bash is idle, blocked on fd 4: rewinding the shared offset is safe. */
+		if (ftruncate(sh->memfd, 0) < 0 || pwrite_all(sh->memfd, cmd, cmdlen, 0) < 0 ||
+		    pwrite_all(sh->memfd, "", 1, (off_t)cmdlen) < 0 || lseek(sh->memfd, 0, SEEK_SET) < 0) {
+			int saved = errno;
+			sh->running = 0;
+			conn_send_errno(c, sid, "writing the command", saved);
+			return;
+		}
+	} else {
+		sink_write(&sh->cmdpipe, cmd, cmdlen);
+		sink_write(&sh->cmdpipe, "", 1);
+	}
 	sh->st = stream_add(c, sid, ST_SHELL_RUN, sh);
-	sink_write(&sh->cmd, sh->nonce, 33); /* includes the NUL */
-	sink_write(&sh->cmd, cmd, cmdlen);
-	sink_write(&sh->cmd, "", 1);
+	sink_write(&sh->bell, sh->nonce, 33); /* includes the NUL */
 }
 
 void op_shell_close(struct conn *c, uint32_t sid, const struct jv *req)

@@ -120,11 +120,17 @@ class Agent:
         return await AgentClient.connect_unix(self.sock, token=token, timeout=5)
 
 
-def start_agent(extra: list[str] | None = None) -> Agent:
+def start_agent(
+    extra: list[str] | None = None, env: dict[str, str] | None = None, prefix: list[str] | None = None
+) -> Agent:
     # A short path: Unix socket names are limited to 108 bytes.
     d = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
     sock = str(d / "a.sock")
-    proc = subprocess.Popen([str(AGENT), "--listen", sock, *(extra or [])], start_new_session=True)
+    proc = subprocess.Popen(
+        [*(prefix or []), str(AGENT), "--listen", sock, *(extra or [])],
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     deadline = time.monotonic() + 5
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -920,3 +926,51 @@ async def test_exec_round_trip_latency(client: AgentClient) -> None:
     lat.sort()
     p50 = lat[len(lat) // 2]
     assert p50 < 0.02, f"exec p50 {p50 * 1000:.2f} ms"
+
+
+async def test_shell_pipe_fallback_without_memfd() -> None:
+    a = start_agent(env={"SHOAL_AGENT_NO_MEMFD": "1"})
+    try:
+        c = await a.connect()
+        try:
+            sh = await c.shell_open()
+            assert (await c.shell_run(sh, "X=1; echo $X")).stdout == b"1\n"
+            body = "y" * 200_000
+            assert (await c.shell_run(sh, f"v='{body}'; echo ${{#v}}")).stdout == b"200000\n"
+            r = await c.shell_run(sh, "sleep 100", timeout=0.2)
+            assert r.timed_out and r.alive
+        finally:
+            await c.close()
+    finally:
+        stop_agent(a)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+async def test_as_pid_1_of_a_pid_namespace() -> None:
+    """The real thing: PID 1 reaps orphans, ignores SIGTERM from inside, dies cleanly on the host's."""
+    a = start_agent(prefix=["unshare", "--fork", "--pid", "--mount-proc"])
+    try:
+        c = await a.connect()
+        try:
+            if c.agent_info["pid"] != 1:
+                pytest.skip("could not become PID 1 of a new PID namespace here")
+            await asyncio.gather(*(c.exec(["sh", "-c", "(sleep 0.05 &) ; true"]) for _ in range(50)))
+            await c.exec(["sh", "-c", "setsid sleep 100 > /dev/null 2>&1 < /dev/null &"])
+            await c.exec_detached(["sleep", "100"])
+            await asyncio.sleep(0.3)
+            procs = await c.ps()
+            assert [p for p in procs if p["state"] == "Z"] == []
+            # Root inside the sandbox cannot stop the agent.
+            r = await c.exec(["sh", "-c", "kill -TERM 1; kill -INT 1; sleep 0.2; echo alive"])
+            assert r.stdout == b"alive\n"
+            assert (await c.hello())["pid"] == 1
+        finally:
+            await c.close()
+        tree = descendants(a.pid)
+        assert len(tree) >= 3  # the agent and two sleeps
+        agent_host_pid = next(p for p in tree if _proc_table().get(p, (0, ""))[0] == a.pid)
+        os.kill(agent_host_pid, signal.SIGTERM)
+        assert a.proc.wait(5) == 0  # unshare passes on the agent's exit status
+        assert wait_gone(list(tree)) == []
+    finally:
+        stop_agent(a)
