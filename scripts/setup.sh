@@ -10,7 +10,7 @@ APT_PACKAGES=(
   # container sandboxes
   crun runc iproute2 nftables kmod util-linux
   # image store
-  erofs-utils mmdebstrap skopeo zstd e2fsprogs xfsprogs
+  erofs-utils mmdebstrap skopeo zstd e2fsprogs btrfs-progs
   # microVM / VM backends (guest kernel comes from Debian's package, never from elsewhere)
   qemu-system-x86 qemu-utils busybox-static cpio linux-image-amd64
 )

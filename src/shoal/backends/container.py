@@ -25,6 +25,7 @@ from shoal.host import cgroups, syscalls
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
+from shoal.node.disk import UpperPool
 from shoal.node.records import SandboxRecord, proc_starttime
 
 if TYPE_CHECKING:
@@ -44,13 +45,14 @@ class ContainerBackend(Backend):
 
     def __init__(self, paths: Paths, layer_mounts: LayerMounts, statuses: dict[str, RuntimeStatus],
                  guest_dir: Path, default_runtime: str = "auto",
-                 network: NetworkManager | None = None) -> None:
+                 network: NetworkManager | None = None, upper_pool: UpperPool | None = None) -> None:
         self.paths = paths
         self.layer_mounts = layer_mounts
         self.statuses = statuses
         self.guest_dir = guest_dir
         self.default_runtime = default_runtime
         self.network = network
+        self.upper_pool = upper_pool or UpperPool(paths)
         self._runtimes: dict[str, OciRuntime] = {}
 
     def runtime(self, name: str | None) -> OciRuntime:
@@ -61,8 +63,8 @@ class ContainerBackend(Backend):
         return self._runtimes[key]
 
     def upper_dir(self, rec: SandboxRecord) -> Path:
-        """Private writable layer of the sandbox."""
-        return rec.path / "upper"
+        """Private writable layer of the sandbox (on the size-limited upper pool when available)."""
+        return Path(rec.extra.get("upper") or rec.path / "upper")
 
     def rootfs(self, rec: SandboxRecord) -> Path:
         """The merged overlay (the sandbox's / as the host sees it)."""
@@ -80,9 +82,11 @@ class ContainerBackend(Backend):
             raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({sock_path}); use a shorter one")
         listener: socket.socket | None = None
         try:
-            upper, work, rootfs = d / "upper", d / "work", d / "rootfs"
-            for p in (upper, work, rootfs):
-                p.mkdir()
+            rootfs = d / "rootfs"
+            rootfs.mkdir()
+            upper, work, projid = self.upper_pool.allocate(rec.id, spec.disk_mb)
+            rec.extra["upper"] = str(upper)
+            rec.extra["projid"] = projid
             lowers = self.layer_mounts.acquire(image.layers, rec.id)
             # overlay wants the topmost lower first
             lowerdir = ":".join(str(p) for p in reversed(lowers))
@@ -159,6 +163,11 @@ class ContainerBackend(Backend):
                 self.layer_mounts.release(rec.layers, rec.id)
             except OSError as e:
                 errors.append(f"release layers: {e}")
+        if rec.extra.get("upper"):
+            try:
+                await asyncio.to_thread(self.upper_pool.release, rec.id, int(rec.extra.get("projid") or 0))
+            except OSError as e:
+                errors.append(f"release upper: {e}")
         if rec.netns and self.network is not None:
             try:
                 await self.network.teardown(rec)
@@ -180,5 +189,6 @@ class ContainerBackend(Backend):
         await self.runtime(rec.runtime).resume(rec.cid)
 
     def info(self, rec: SandboxRecord) -> dict:
-        """Runtime name and cgroup path."""
-        return {"runtime": rec.runtime, "cgroup": rec.cgroup}
+        """Runtime name, cgroup path, and whether the disk limit is enforced."""
+        return {"runtime": rec.runtime, "cgroup": rec.cgroup,
+                "disk_limit_enforced": bool(rec.extra.get("projid"))}

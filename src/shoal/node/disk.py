@@ -1,0 +1,201 @@
+"""Disk limits for sandboxes' writable layers: one btrfs subvolume + qgroup limit per sandbox.
+
+overlayfs has no size limit of its own, so the uppers live on one node-local btrfs filesystem (a
+sparse file, loop-mounted at $SHOAL_HOME/uppers, quotas on) and each sandbox's upper is a subvolume
+with a qgroup limit. Creating one is two ioctls (~0.3 ms) and deleting it one more, so the limit costs
+nothing at create time. (XFS/ext4 project quotas would be the usual choice, but kernels built without
+XFS_QUOTA/QFMT_V2 — like this project's CI hosts — cannot use them; btrfs qgroups only need BTRFS_FS.)
+Where btrfs cannot be used, uppers fall back to plain directories and `shoal doctor` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import struct
+from pathlib import Path
+
+from shoal.config import Paths
+from shoal.host import syscalls
+from shoal.host.spawn import run_sync
+
+log = logging.getLogger(__name__)
+
+# btrfs ioctls (linux/btrfs.h), magic 0x94
+_SUBVOL_CREATE = 0x5000940E  # _IOW(14, btrfs_ioctl_vol_args = 4096 B)
+_SNAP_DESTROY = 0x5000940F  # _IOW(15, vol_args)
+_INO_LOOKUP = 0xD0009412  # _IOWR(18, btrfs_ioctl_ino_lookup_args = 4096 B)
+_QUOTA_CTL = 0xC0109428  # _IOWR(40, {u64 cmd; u64 status})
+_QGROUP_CREATE = 0x4010942A  # _IOW(42, {u64 create; u64 qgroupid})
+_QGROUP_LIMIT = 0x8030942B  # _IOR(43, {u64 qgroupid; btrfs_qgroup_limit})
+_QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 3
+_LIMIT_MAX_RFER = 1
+
+
+def _vol_args(name: str) -> bytearray:
+    b = bytearray(4096)
+    raw = name.encode()
+    b[8 : 8 + len(raw)] = raw
+    return b
+
+
+class UpperPool:
+    """Where sandboxes' writable layers live, size-limited when btrfs quotas are available."""
+
+    def __init__(self, paths: Paths, size_gb: int | None = None) -> None:
+        self.paths = paths
+        self.mountpoint = paths.home / "uppers"
+        self.image = paths.home / "uppers.btrfs"
+        self.size_gb = size_gb or int(os.environ.get("SHOAL_UPPER_POOL_GB", "0") or 0)
+        self._fd: int | None = None
+        self.enforced: bool | None = None
+        self.reason = ""
+        if os.environ.get("SHOAL_DISK_LIMITS", "1") == "0":
+            self.enforced, self.reason = False, "disk limits disabled by SHOAL_DISK_LIMITS=0"
+
+    def _lock(self) -> int:
+        self.paths.locks.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.paths.locks / "upper-pool.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def ensure(self) -> bool:
+        """Mount the pool if needed; True when disk limits are enforced."""
+        if self.enforced is False or (self.enforced and self._fd is not None):
+            return bool(self.enforced)
+        lock = self._lock()
+        try:
+            self.mountpoint.mkdir(parents=True, exist_ok=True)
+            if not syscalls.is_mountpoint(str(self.mountpoint)):
+                self._mount()
+            self._fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.enforced = True
+        except (OSError, RuntimeError) as e:
+            self.enforced = False
+            self.reason = f"disk limits not enforced: {e}"
+            log.warning(self.reason)
+        finally:
+            os.close(lock)
+        return bool(self.enforced)
+
+    def _mount(self) -> None:
+        if not shutil.which("mkfs.btrfs"):
+            raise RuntimeError("mkfs.btrfs missing (apt-get install btrfs-progs)")
+        fresh = not self.image.exists()
+        if fresh:
+            st = os.statvfs(self.paths.home)
+            free_gb = st.f_bavail * st.f_frsize // 2**30
+            # sparse: costs nothing until sandboxes write
+            size_gb = self.size_gb or max(2, min(1024, free_gb // 2))
+            tmp = self.image.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.truncate(size_gb * 2**30)
+            run_sync(["mkfs.btrfs", "-q", "-f", "-m", "single", str(tmp)], check=True, timeout=300)
+            os.rename(tmp, self.image)
+        # nodatacow-free defaults; noatime because agents read a lot
+        r = run_sync(["mount", "-o", "loop,noatime", str(self.image), str(self.mountpoint)], timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"cannot mount the upper pool: {r.stderr.decode(errors='replace').strip()}")
+        fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # simple quotas (Linux >= 6.7) account at extent level and cost far less than full qgroups
+            for cmd in (_QUOTA_ENABLE_SIMPLE, _QUOTA_ENABLE):
+                try:
+                    fcntl.ioctl(fd, _QUOTA_CTL, bytearray(struct.pack("=QQ", cmd, 0)))
+                    break
+                except OSError as e:
+                    simple_unsupported = e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTTY)
+                    if (cmd == _QUOTA_ENABLE or not simple_unsupported) and e.errno != errno.EEXIST:
+                        raise RuntimeError(f"cannot enable btrfs quotas: {e.strerror}") from e
+        finally:
+            os.close(fd)
+
+    def allocate(self, sandbox_id: str, disk_mb: int) -> tuple[Path, Path, int]:
+        """Make `{upper,work}` dirs for a sandbox with a size limit; returns (upper, work, subvolume id)."""
+        if not self.ensure() or self._fd is None:
+            base = self.paths.sandboxes / sandbox_id
+            (base / "upper").mkdir(parents=True, exist_ok=True)
+            (base / "work").mkdir(exist_ok=True)
+            return base / "upper", base / "work", 0
+        fcntl.ioctl(self._fd, _SUBVOL_CREATE, _vol_args(sandbox_id))
+        base = self.mountpoint / sandbox_id
+        try:
+            sfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                look = bytearray(4096)
+                struct.pack_into("=QQ", look, 0, 0, 256)  # tree 0 = "the tree of this fd", 256 = its root
+                fcntl.ioctl(sfd, _INO_LOOKUP, look)
+                subvol_id = struct.unpack_from("=Q", look, 0)[0]
+                # qgroupid 0 means "the qgroup of the subvolume this fd is in"
+                fcntl.ioctl(sfd, _QGROUP_LIMIT,
+                            bytearray(struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, disk_mb * 2**20, 0, 0, 0)))
+            finally:
+                os.close(sfd)
+            (base / "upper").mkdir()
+            (base / "work").mkdir()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(self._fd, _SNAP_DESTROY, _vol_args(sandbox_id))
+            raise
+        return base / "upper", base / "work", subvol_id
+
+    def usage(self, subvol_id: int) -> dict[str, int]:
+        """Referenced bytes of a sandbox's subvolume and its limit (from `btrfs qgroup show`)."""
+        if not subvol_id or not self.ensure():
+            return {}
+        r = run_sync(["btrfs", "qgroup", "show", "--raw", "-re", str(self.mountpoint)], timeout=30)
+        for line in r.stdout.decode().splitlines():
+            parts = line.split()
+            if parts and parts[0] == f"0/{subvol_id}":
+                limit = parts[3]
+                return {"bytes": int(parts[1]), "limit_bytes": int(limit) if limit.isdigit() else 0}
+        return {}
+
+    def release(self, sandbox_id: str, subvol_id: int) -> None:
+        """Delete the sandbox's subvolume (and its qgroup once btrfs let go of it)."""
+        if not subvol_id or not self.ensure() or self._fd is None:
+            return
+        try:
+            fcntl.ioctl(self._fd, _SNAP_DESTROY, _vol_args(sandbox_id))
+        except FileNotFoundError:
+            pass
+        with contextlib.suppress(OSError):
+            # fails with EBUSY while the cleaner still holds it; `clear_stale()` retries later
+            fcntl.ioctl(self._fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 0, subvol_id)))
+
+    def clear_stale(self) -> int:
+        """Remove qgroups of deleted subvolumes (gc). Returns how many were removed."""
+        if not self.ensure() or self._fd is None:
+            return 0
+        r = run_sync(["btrfs", "qgroup", "show", "--raw", str(self.mountpoint)], timeout=60)
+        n = 0
+        for line in r.stdout.decode().splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[-1] == "<stale>" and parts[0].startswith("0/"):
+                with contextlib.suppress(OSError, ValueError):
+                    qid = int(parts[0].split("/")[1])
+                    fcntl.ioctl(self._fd, _QGROUP_CREATE, bytearray(struct.pack("=QQ", 0, qid)))
+                    n += 1
+        return n
+
+    def teardown(self) -> bool:
+        """Unmount the pool when no sandbox uses it (tests, `shoal node teardown`). True if unmounted."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.enforced:
+            self.enforced = None
+        lock = self._lock()
+        try:
+            if not syscalls.is_mountpoint(str(self.mountpoint)):
+                return False
+            if any(p.is_dir() for p in self.mountpoint.iterdir()):
+                return False
+            syscalls.umount(str(self.mountpoint))
+            return True
+        finally:
+            os.close(lock)
