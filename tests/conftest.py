@@ -45,6 +45,11 @@ def shoal_home() -> Iterator[Path]:
     os.environ["SHOAL_HOME"] = str(home)
     os.environ.setdefault("SHOAL_STORE", os.environ.get("SHOAL_TEST_STORE", "/var/lib/shoal/store"))
     yield home
+    if IS_ROOT:
+        from shoal.config import Paths
+        from shoal.node.disk import UpperPool
+
+        UpperPool(Paths.from_env(home)).teardown()
     leaks = _mounts_under(str(home))
     for k, v in old.items():
         if v is None:

@@ -195,7 +195,13 @@ class UpperPool:
                 return False
             if any(p.is_dir() for p in self.mountpoint.iterdir()):
                 return False
-            syscalls.umount(str(self.mountpoint))
+            try:
+                syscalls.umount(str(self.mountpoint))
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise
+                # an fd another pool object in this process still holds; the empty pool detaches safely
+                syscalls.umount(str(self.mountpoint), detach=True)
             return True
         finally:
             os.close(lock)
