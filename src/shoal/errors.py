@@ -122,6 +122,13 @@ class Unauthorized(ShoalError):
     code = "unauthorized"
 
 
+class Forbidden(ShoalError, PermissionError):
+    """The token is valid but may not do this (an operator-only action)."""
+
+    http_status = 403
+    code = "forbidden"
+
+
 class NotImplementedYet(ShoalError, NotImplementedError):
     """A documented capability this build of shoal does not provide (the message says which)."""
 
@@ -147,6 +154,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         AgentProtocolError,
         ImageBuildError,
         Unauthorized,
+        Forbidden,
         NotImplementedYet,
     )
 }
