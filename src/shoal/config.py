@@ -65,3 +65,9 @@ class NodeConfig:
     reap_interval_s: float = 2.0
     #: largest file read_file returns in one call (bytes)
     max_file_bytes: int = 256 << 20
+    #: reclaim a sandbox's memory after pausing it (page cache always; anonymous memory when swap is on)
+    reclaim_on_pause: bool = field(default_factory=lambda: os.environ.get("SHOAL_RECLAIM", "1") != "0")
+    #: record the working set at pause and read it back before the thaw (faster first request)
+    prefetch_on_resume: bool = field(default_factory=lambda: os.environ.get("SHOAL_PREFETCH", "1") != "0")
+    #: set up compressed swap in RAM (zram) of this size when the node starts, e.g. "8G" (None: leave swap alone)
+    zram_swap: str | None = field(default_factory=lambda: os.environ.get("SHOAL_ZRAM_SWAP") or None)

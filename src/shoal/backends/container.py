@@ -26,6 +26,7 @@ from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
 from shoal.node.disk import UpperPool
+from shoal.node.reclaim import sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class ContainerBackend(Backend):
                 rootfs=str(rootfs), guest_dir=str(self.guest_dir), hostname=spec.hostname or "sandbox",
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv,
+                swap_mb=sandbox_swap_mb(spec.memory_mb),
             )
             (d / "config.json").write_text(json.dumps(cfg))
             rec.save()

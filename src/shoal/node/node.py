@@ -103,6 +103,11 @@ class Node:
         if self._started:
             return self
         self._install_guest_agent()
+        if self.config.zram_swap:
+            from shoal.node.reclaim import setup_zram_swap
+
+            # compressed swap in RAM is what lets pause() return a sandbox's anonymous memory
+            await asyncio.to_thread(setup_zram_swap, self.config.zram_swap)
         if reconcile:
             await self.reconcile()
         if reap:
@@ -445,9 +450,12 @@ class Node:
         await self._call(rec, lambda c: c.shell_close(shell_id))
 
     # ---- pause / resume -----------------------------------------------------------------------
-    async def pause(self, sandbox_id: str) -> None:
-        """Freeze the sandbox (see shoal.node.pause for memory reclaim)."""
-        with self._sandbox_lock(sandbox_id):
+    async def pause(self, sandbox_id: str, reclaim: bool | None = None) -> None:
+        """Freeze the sandbox, then reclaim its memory (see shoal.node.reclaim; `reclaim=None`: the config's)."""
+        from shoal.node.reclaim import reclaim_paused
+        from shoal.node.statelock import sandbox_state_lock
+
+        async with sandbox_state_lock(self, sandbox_id):
             rec = self._record(sandbox_id)
             if rec.state == "paused":
                 return
@@ -455,16 +463,32 @@ class Node:
                 raise SandboxError(f"cannot pause sandbox {sandbox_id}: it is {rec.state}")
             await self.backend(rec.backend).pause(rec)
             rec.state = "paused"
+            rec.extra["paused_at"] = time.time()
             rec.save()
+            if (self.config.reclaim_on_pause if reclaim is None else reclaim) and rec.cgroup \
+                    and rec.backend == "container":
+                rec.extra["reclaim"] = await reclaim_paused(rec.cgroup, rec.path,
+                                                            prefetch=self.config.prefetch_on_resume)
+                rec.save()
 
-    async def resume(self, sandbox_id: str) -> None:
-        """Thaw a paused sandbox."""
-        with self._sandbox_lock(sandbox_id):
+    async def resume(self, sandbox_id: str, prefetch: bool | None = None) -> None:
+        """Read the paused sandbox's working set back in (see shoal.node.reclaim), then thaw it."""
+        from shoal.node.reclaim import drop_working_set, prefetch_before_thaw
+        from shoal.node.statelock import sandbox_state_lock
+
+        async with sandbox_state_lock(self, sandbox_id):
             rec = self._record(sandbox_id)
             if rec.state != "paused":
                 return
+            fetched: dict[str, Any] = {}
+            if self.config.prefetch_on_resume if prefetch is None else prefetch:
+                fetched = await prefetch_before_thaw(rec.path)
+            t0 = time.monotonic()
             await self.backend(rec.backend).resume(rec)
+            drop_working_set(rec.path)
             rec.state = "running"
+            rec.extra.pop("paused_by", None)
+            rec.extra["resume"] = dict(fetched, thaw_s=round(time.monotonic() - t0, 4), at=time.time())
             rec.save()
 
     # ---- snapshot / fork / fncall (filled in by their modules) ---------------------------------

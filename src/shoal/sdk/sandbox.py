@@ -77,6 +77,24 @@ class Stream:
         self.result = await self._h.wait()
         return self.result
 
+    async def kill(self) -> None:
+        """SIGKILL the command's process group (it then ends with exit code 137)."""
+        import signal as _signal
+
+        await self._h.send_signal(int(_signal.SIGKILL))
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # leaving the block early must not leave the command running unseen in the sandbox
+        if self.result is None:
+            try:
+                await self.kill()
+                await self.wait()
+            except ShoalError:
+                pass
+
 
 class Sandbox:
     """One isolated, stateful sandbox. Get it from `Client.create()`; `await sb.close()` when done."""
@@ -139,7 +157,13 @@ class Sandbox:
         return await self._t.snapshot(self.id, name)
 
     async def fork(self, n: int = 1, **kw: Any) -> list[Sandbox]:
-        """`n` independent children starting from this sandbox's current files."""
+        """`n` independent children starting from this sandbox's current files (the parent keeps running).
+
+        Options: `name` (tag of the intermediate snapshot), `memory=True` (processes and memory too, on
+        backends that can checkpoint them; BackendUnavailable otherwise), and spec overrides for the
+        children (`cpus`, `memory_mb`, `ttl_s`, `labels`, ...). If any child fails, the first error is
+        raised (the children that were made stay owned by the client and close with it).
+        """
         items = await self._t.fork(self.id, n, **kw)
         out = []
         for it in items:

@@ -90,6 +90,14 @@ class SyncStream:
         """Discard remaining output; return the result."""
         return self._loop.run(self._s.wait())
 
+    def resize(self, rows: int, cols: int) -> None:
+        """Resize the PTY (tty=True only)."""
+        self._loop.run(self._s.resize(rows, cols))
+
+    def kill(self) -> None:
+        """SIGKILL the command's process group."""
+        self._loop.run(self._s.kill())
+
 
 class SyncSandbox:
     """Blocking twin of Sandbox."""

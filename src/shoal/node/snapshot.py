@@ -1,0 +1,242 @@
+"""Snapshots and forks of sandboxes.
+
+`snapshot(name)` freezes the sandbox, packs its writable layer (the overlayfs upper dir) into one new
+EROFS layer in the store, thaws it, and records a new image = the parent image's layers + that layer,
+with its lineage (parent image, sandbox, node, time) in the manifest. Nothing is copied: the parent's
+layers are shared by reference, and the new layer holds only what the sandbox changed (deleted files
+are whiteouts). The image lives in the store, so any host that sees the store can create from it.
+
+`fork(n)` is a snapshot followed by `create_many(snapshot, n)`: the children start from the parent's
+*files*; processes and memory are not carried over on containers (see docs/stateful.md for which
+backend forks what). The parent keeps running.
+
+An overlayfs mount takes at most ~40 lower layers (one page of mount options), so a snapshot whose
+image would be deeper than the store allows is *squashed*: the sandbox's whole merged tree (every
+layer plus the upper) becomes one layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import (
+    BackendUnavailable,
+    ImageNotFound,
+    InvalidRequest,
+    NotImplementedYet,
+    SandboxError,
+    ShoalError,
+)
+from shoal.host import syscalls
+from shoal.images.pack import RUNTIME_ARTIFACTS, pack_upper
+from shoal.images.refs import parse_ref
+from shoal.images.store import ImageConfig, Layer
+from shoal.models import SandboxInfo, SandboxSpec
+from shoal.node.statelock import sandbox_state_lock
+
+if TYPE_CHECKING:
+    from shoal.node.node import Node
+    from shoal.node.records import SandboxRecord
+
+#: overlayfs' practical lower-layer limit (the store enforces the same bound when it knows it)
+DEFAULT_MAX_LAYERS = 40
+MAX_FORK = 10_000
+
+
+def max_layers() -> int:
+    """Deepest image the store accepts (overlayfs' mount-option limit)."""
+    from shoal.images import store as store_mod
+
+    return int(getattr(store_mod, "MAX_LAYERS", DEFAULT_MAX_LAYERS))
+
+
+def _pack_knows_network() -> bool:
+    # newer pack_upper also leaves out the runtime's resolv.conf mountpoint of networked sandboxes
+    import inspect
+
+    return "network" in inspect.signature(pack_upper).parameters
+
+
+def upper_is_empty(upper: Path) -> bool:
+    """True when the writable layer holds nothing but the runtime's empty mountpoints."""
+    for entry in os.scandir(upper):
+        if entry.name in RUNTIME_ARTIFACTS and entry.is_dir(follow_symlinks=False) and not any(os.scandir(entry.path)):
+            continue
+        return False
+    return True
+
+
+def _parent_config(node: Node, rec: SandboxRecord) -> ImageConfig:
+    try:
+        return ImageConfig.from_dict(node.store.manifest(rec.image_digest).get("config"))
+    except (ImageNotFound, InvalidRequest, OSError, ValueError):
+        # the parent's manifest was removed since: keep what the record knows
+        cfg = ImageConfig()
+        if rec.extra.get("workdir"):
+            cfg.workdir = str(rec.extra["workdir"])
+        if rec.extra.get("user"):
+            cfg.user = str(rec.extra["user"])
+        return cfg
+
+
+def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any]) -> Layer:
+    """One layer holding the sandbox's whole merged tree (all lowers + the upper). Blocking."""
+    lowers = [str(node.layer_mounts.mountpoint(h)) for h in reversed(rec.layers)]
+    for p in lowers:
+        if not syscalls.is_mountpoint(p):
+            raise SandboxError(f"cannot squash sandbox {rec.id}: its layer {p} is not mounted")
+    mnt = node.paths.run / f"squash-{rec.id}-{secrets.token_hex(4)}"
+    mnt.mkdir(parents=True)
+    try:
+        # no upperdir: a read-only overlay whose top lower is the sandbox's upper (whiteouts honoured)
+        syscalls.mount("overlay", str(mnt), "overlay", syscalls.MS_RDONLY,
+                       "lowerdir=" + ":".join([str(upper), *lowers]) + ",redirect_dir=off,index=off,metacopy=off")
+        try:
+            return node.store.add_layer_from_dir(mnt, source)
+        finally:
+            syscalls.umount(str(mnt), detach=True)
+    finally:
+        with contextlib.suppress(OSError):
+            mnt.rmdir()
+
+
+async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bool | None = None,
+                           compress: str | None = None) -> dict[str, Any]:
+    """Freeze, pack the writable layer, thaw; tag a new image `name` = parent layers + the diff.
+
+    Returns the image's summary (`ref`, `digest`, `layers`, `lineage`, ...) plus `layer` (the new
+    layer's digest, or None when nothing changed), `diff_bytes`, `seconds` and `frozen_s`.
+    `squash=None` squashes only when the image would exceed the overlayfs layer limit.
+    """
+    t0 = time.monotonic()
+    ref = parse_ref(name)
+    if ref.digest:
+        raise InvalidRequest(f"snapshot name {name!r} must be name[:tag], not a digest")
+    rec = node.record(sandbox_id)
+    backend = node.backend(rec.backend)
+    upper = backend.upper_dir(rec)
+    if upper is None:
+        raise NotImplementedYet(
+            f"snapshot of {rec.backend} sandboxes is not available in this build: container sandboxes "
+            "snapshot their writable layer; VM disk snapshots come with the VM backends")
+    async with sandbox_state_lock(node, sandbox_id):
+        rec = node.record(sandbox_id)
+        if rec.state not in ("running", "paused"):
+            raise SandboxError(f"cannot snapshot sandbox {sandbox_id}: it is {rec.state}")
+        if not Path(upper).is_dir():
+            raise SandboxError(f"sandbox {sandbox_id} has no writable layer at {upper}")
+        parent_layers = [f"sha256:{h}" for h in rec.layers]
+        config = _parent_config(node, rec)
+        source = {"type": "snapshot", "sandbox": rec.id, "node": node.config.node_id,
+                  "parent": rec.image_digest}
+        was_running = rec.state == "running"
+        if was_running:
+            await backend.pause(rec)
+            # crash-only: if this process dies mid-snapshot, the next request sees "paused" and thaws it
+            rec.state = "paused"
+            rec.extra["paused_by"] = "snapshot"
+            rec.save()
+        t_freeze = time.monotonic()
+        layer: Layer | None = None
+        squashed = False
+        try:
+            empty = await asyncio.to_thread(upper_is_empty, Path(upper))
+            depth = len(parent_layers) + (0 if empty else 1)
+            squashed = bool(squash) or (squash is None and depth > max_layers())
+            if squashed:
+                layer = await asyncio.to_thread(_squash, node, rec, Path(upper), dict(source, squashed=True))
+            elif not empty:
+                kw = {"network": True} if rec.spec.get("network") and _pack_knows_network() else {}
+                layer = await asyncio.to_thread(lambda: pack_upper(node.store, Path(upper), source, compress, **kw))
+        finally:
+            frozen_s = time.monotonic() - t_freeze
+            if was_running:
+                await _thaw_after_snapshot(node, rec)
+        layers = [layer.digest] if squashed and layer else parent_layers + ([layer.digest] if layer else [])
+        lineage = {
+            "kind": "snapshot", "parent": rec.image_digest, "parent_ref": rec.image, "sandbox": rec.id,
+            "node": node.config.node_id, "backend": rec.backend, "created": time.time(),
+            "layer": layer.digest if layer else None, "squashed": squashed,
+        }
+        img = await asyncio.to_thread(node.store.put_image, str(ref), layers, config, lineage)
+    out = img.to_dict()
+    out.update(ref=img.ref, layer=layer.digest if layer else None, diff_bytes=layer.size if layer else 0,
+               seconds=round(time.monotonic() - t0, 4), frozen_s=round(frozen_s, 4))
+    return out
+
+
+async def _thaw_after_snapshot(node: Node, rec: SandboxRecord) -> None:
+    try:
+        await node.backend(rec.backend).resume(rec)
+    except ShoalError:
+        # left frozen with state "paused": the next request resumes it (Node.client)
+        return
+    rec.state = "running"
+    rec.extra.pop("paused_by", None)
+    rec.save()
+
+
+def _child_spec(rec: SandboxRecord, image_ref: str, overrides: dict[str, Any]) -> SandboxSpec:
+    known = {f.name for f in fields(SandboxSpec)}
+    unknown = set(overrides) - known - {"image"}
+    if unknown:
+        raise InvalidRequest(f"unknown sandbox option(s) for fork: {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(sorted(known - {'image'}))}")
+    base = {k: v for k, v in rec.spec.items() if k in known}
+    base.update(overrides)
+    base["image"] = image_ref
+    labels = dict(base.get("labels") or {})
+    labels.setdefault("shoal.fork_of", rec.id)
+    base["labels"] = labels
+    return SandboxSpec(**base)
+
+
+def fork_image_name(sandbox_id: str) -> str:
+    """A fresh image ref for a fork's snapshot: `forks/<sandbox id>:<UTC time>-<random>`."""
+    return f"forks/{sandbox_id}:{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = False, name: str | None = None,
+                       **overrides: Any) -> list[SandboxInfo | ShoalError]:
+    """`n` independent children of a sandbox (files only on containers); per-item errors like create_many.
+
+    `name` tags the intermediate snapshot (default `forks/<id>:<time>-<rand>`); `overrides` change the
+    children's spec (cpus, memory_mb, ttl_s, labels, ...). `memory=True` asks for processes and memory
+    too, which needs a backend that can checkpoint them (BackendUnavailable otherwise).
+    """
+    if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
+        raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_FORK}")
+    rec = node.record(sandbox_id)
+    if memory:
+        return await fork_with_memory(node, rec, n, **overrides)
+    _child_spec(rec, "x", overrides)  # reject bad options before the snapshot is made
+    snap = await snapshot_sandbox(node, sandbox_id, name or fork_image_name(sandbox_id))
+    spec = _child_spec(rec, snap["ref"], overrides)
+    return await node.create_many(spec, n)
+
+
+async def fork_with_memory(node: Node, rec: SandboxRecord, n: int, **overrides: Any) -> list[SandboxInfo | ShoalError]:
+    """Fork processes and memory too: delegated to a backend that implements `fork_memory(rec, n, **kw)`."""
+    backend = node.backend(rec.backend)
+    impl = getattr(backend, "fork_memory", None)
+    if impl is not None:
+        return await impl(rec, n, **overrides)
+    if rec.backend == "container" and rec.runtime == "gvisor":
+        raise NotImplementedYet(
+            "memory+process fork of gVisor sandboxes (runsc checkpoint --leave-running, then runsc restore "
+            "per child) is not implemented in this build; fork(n) without memory=True forks the files")
+    gvisor = ("its runsc is installed but this build does not drive runsc checkpoint yet" if shutil.which("runsc")
+              else "runsc is not installed (Debian 12 has no package; the PyPI `gvisor` package is bindings only)")
+    raise BackendUnavailable(
+        f"memory+process fork needs a backend that can checkpoint processes; sandbox {rec.id} runs on "
+        f"{rec.backend}/{rec.runtime or '?'}, which forks files only. Use fork(n) without memory=True (files), "
+        f"or a VM backend with memory snapshots. gVisor (runtime='gvisor') could do it, but {gvisor}; "
+        "CRIU does not work on this kernel.")
