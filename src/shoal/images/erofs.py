@@ -14,9 +14,11 @@ from shoal.errors import BackendUnavailable, ImageBuildError
 from shoal.host.spawn import run_sync
 
 # Fixed UUID and build time: mkfs.erofs would otherwise stamp random/now values into the superblock.
-_FIXED_UUID = "00000000-0000-0000-0000-000000000000"
+FIXED_UUID = "00000000-0000-0000-0000-000000000000"
 # SOURCE_DATE_EPOCH clamps newer mtimes; 2100-01-01 keeps every real mtime (python's .pyc checks them).
-_EPOCH = "4102444800"
+EPOCH = "4102444800"
+# older names
+_FIXED_UUID, _EPOCH = FIXED_UUID, EPOCH
 
 
 def mkfs_binary() -> str:
@@ -27,14 +29,16 @@ def mkfs_binary() -> str:
     return exe
 
 
-def build_erofs(src_dir: Path, out_file: Path, compress: str | None = None, timeout: float = 3600) -> None:
+def build_erofs(src_dir: Path, out_file: Path, compress: str | None = None, timeout: float = 3600,
+                exclude: list[str] | None = None) -> None:
     """Pack `src_dir` into the EROFS image `out_file` (overwritten). Keeps owners, modes, xattrs,
-    whiteouts (0/0 char devices) and overlayfs opaque markers."""
-    argv = [mkfs_binary(), "-U", _FIXED_UUID, "--quiet"]
+    whiteouts (0/0 char devices) and overlayfs opaque markers. `exclude`: paths relative to src_dir."""
+    argv = [mkfs_binary(), "-U", FIXED_UUID, "--quiet"]
+    argv += [f"--exclude-path={rel}" for rel in exclude or []]
     if compress:
         argv.append(f"-z{compress}")
     argv += [str(out_file), str(src_dir)]
-    env = dict(os.environ, SOURCE_DATE_EPOCH=_EPOCH)
+    env = dict(os.environ, SOURCE_DATE_EPOCH=EPOCH)
     r = run_sync(argv, timeout=timeout, env=env)
     if r.returncode != 0:
         raise ImageBuildError(

@@ -6,7 +6,10 @@ process next to a server) sees the same truth; a per-layer flock serializes moun
 
 File-backed EROFS mounts (Linux >= 6.12) read the store file directly, so nothing is copied or
 unpacked and the kernel reads only the blocks a sandbox touches. Older kernels fall back to a
-read-only loop device with autoclear.
+read-only loop device with autoclear. SHOAL_EROFS_MOUNT=loop|file forces one way (default: auto).
+
+While a layer is mounted, a lease file `<store>/leases/<hex>/<host key>` tells `shoal image gc` on
+any host sharing the store that the layer is in use here; it is removed at the last unmount.
 """
 
 from __future__ import annotations
@@ -14,16 +17,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import json
 import os
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from shoal.config import Paths
+from shoal.errors import InvalidRequest
+from shoal.fsutil import atomic_write
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
 from shoal.images.store import Layer
 
 _file_backed_ok: bool | None = None
+MOUNT_MODES = ("auto", "file", "loop")
 
 
 def erofs_mode() -> str:
@@ -36,11 +46,16 @@ def erofs_mode() -> str:
 class LayerMounts:
     """Reference-counted, host-wide read-only mounts of store layers."""
 
-    def __init__(self, paths: Paths) -> None:
+    def __init__(self, paths: Paths, mode: str | None = None) -> None:
         self.root = paths.layer_mounts
         self.locks = paths.locks
         self.root.mkdir(parents=True, exist_ok=True)
         self.locks.mkdir(parents=True, exist_ok=True)
+        self.mode = mode or os.environ.get("SHOAL_EROFS_MOUNT") or "auto"
+        if self.mode not in MOUNT_MODES:
+            raise InvalidRequest(f"EROFS mount mode {self.mode!r} must be one of {', '.join(MOUNT_MODES)}")
+        #: names this host's leases in a shared store: host name + which SHOAL_HOME mounted it
+        self.lease_key = lease_key(self.root)
 
     def mountpoint(self, layer_hex: str) -> Path:
         """Where a layer is (or would be) mounted."""
@@ -75,9 +90,32 @@ class LayerMounts:
             users.mkdir(exist_ok=True)
             if not syscalls.is_mountpoint(str(mp)):
                 mp.mkdir(exist_ok=True)
-                _mount_erofs(layer.path, mp)
+                _mount_erofs(layer.path, mp, self.mode)
+                self._take_lease(layer, mp)
+            elif not (self.root / f"{layer.hex}.lease").exists():
+                self._take_lease(layer, mp)  # mounted by an older shoal, before leases existed
             (users / user).touch()
         return mp
+
+    def _take_lease(self, layer: Layer, mp: Path) -> None:
+        # best effort: a store we cannot write to (read-only share) still mounts fine
+        lease = layer.path.parent.parent.parent / "leases" / layer.hex / self.lease_key
+        try:
+            atomic_write(lease, json.dumps({"host": socket.gethostname(), "mountpoint": str(mp),
+                                            "since": time.time()}).encode(), fsync=False)
+            atomic_write(self.root / f"{layer.hex}.lease", str(lease).encode(), fsync=False)
+        except OSError:
+            pass
+
+    def _drop_lease(self, layer_hex: str) -> None:
+        note = self.root / f"{layer_hex}.lease"
+        with contextlib.suppress(OSError):
+            lease = Path(note.read_text())
+            lease.unlink()
+            with contextlib.suppress(OSError):
+                lease.parent.rmdir()
+        with contextlib.suppress(OSError):
+            note.unlink()
 
     def release(self, layer_hexes: list[str], user: str) -> None:
         """Drop `user` from each layer; unmount layers nobody uses any more."""
@@ -101,6 +139,7 @@ class LayerMounts:
                             raise
                         # still busy (a process of a dying sandbox): detach, the kernel frees it later
                         syscalls.umount(str(mp), detach=True)
+                self._drop_lease(h)
                 with contextlib.suppress(OSError):
                     mp.rmdir()
                 with contextlib.suppress(OSError):
@@ -132,10 +171,31 @@ class LayerMounts:
                 self.release([h], "")
 
 
-def _mount_erofs(file: Path, mp: Path) -> None:
+def lease_key(mounts_root: Path) -> str:
+    """`<hostname>-<12 hex>`: one key per (host, SHOAL_HOME), valid as a file name."""
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64] or "host"
+    return f"{host}-{hashlib.sha256(str(Path(mounts_root).resolve()).encode()).hexdigest()[:12]}"
+
+
+def mount_source(mp: Path) -> str | None:
+    """The source of the mount at `mp` (a layer file for file-backed mounts, /dev/loopN otherwise)."""
+    p = os.path.realpath(mp)
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            parts = line.decode("utf-8", "surrogateescape").split()
+            if syscalls._unescape(parts[4]) == p:
+                sep = parts.index("-")
+                return syscalls._unescape(parts[sep + 2])
+    return None
+
+
+def _mount_erofs(file: Path, mp: Path, mode: str = "auto") -> None:
     global _file_backed_ok
     flags = syscalls.MS_RDONLY | syscalls.MS_NODEV
-    if _file_backed_ok is not False:
+    if mode == "file":
+        syscalls.mount(str(file), str(mp), "erofs", flags, None)
+        return
+    if mode == "auto" and _file_backed_ok is not False:
         try:
             syscalls.mount(str(file), str(mp), "erofs", flags, None)
             _file_backed_ok = True

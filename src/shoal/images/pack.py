@@ -3,47 +3,107 @@
 An upper dir already speaks the layer format: deleted files are 0/0 character devices (whiteouts) and
 replaced directories carry the `trusted.overlay.opaque` xattr. mkfs.erofs keeps both, so the packed
 layer stacks under a new upper exactly as the files looked in the sandbox.
+
+overlayfs also leaves private bookkeeping in an upper (`trusted.overlay.origin`, `.impure`, `.uuid`, …:
+file handles of the lower filesystems of *that* mount). They mean nothing in another stack and make
+layers irreproducible; `clean=True` strips them (in place: only for an upper about to be discarded).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from shoal.errors import ImageBuildError
 from shoal.fsutil import tmp_name
-from shoal.host.spawn import run_sync
-from shoal.images.erofs import mkfs_binary
+from shoal.images.erofs import build_erofs
 from shoal.images.store import ImageStore, Layer
 
 # Created by the OCI runtime as the agent's mountpoint; not part of the sandbox's own files.
 RUNTIME_ARTIFACTS = [".shoal"]
-_FIXED_UUID = "00000000-0000-0000-0000-000000000000"
-_EPOCH = "4102444800"
+# Mountpoints the runtime creates when the image lacks them; nothing can be written beneath them.
+_RUNTIME_MOUNT_DIRS = ["proc", "sys", "dev"]
+OPAQUE_XATTR = "trusted.overlay.opaque"
+_KEEP_XATTRS = {OPAQUE_XATTR}
 
 
-def pack_upper(store: ImageStore, upper: Path, source: dict[str, Any], compress: str | None = None) -> Layer:
-    """Pack `upper` (excluding runtime artifacts) into a layer in `store`; returns it (deduplicated)."""
+def _is_empty_dir(p: Path) -> bool:
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    with os.scandir(p) as it:
+        return next(it, None) is None
+
+
+def runtime_excludes(upper: Path, network: bool = False) -> list[str]:
+    """Paths (relative to `upper`) that the runtime, not the sandbox, put there."""
+    out = [rel for rel in RUNTIME_ARTIFACTS if _is_empty_dir(upper / rel)]
+    return out
+
+
+def clean_upper(upper: Path, network: bool = False) -> int:
+    """Strip overlayfs bookkeeping xattrs and runtime mountpoints from a discarded upper; returns how
+    many xattrs were removed. Whiteouts and opaque markers (the layer's meaning) are kept."""
+    upper = Path(upper)
+    removed = 0
+    for rel in _RUNTIME_MOUNT_DIRS:
+        # nothing a sandbox does can land under a mountpoint, so an empty one was made by the runtime
+        p = upper / rel
+        if _is_empty_dir(p) and not _overlay_xattrs(p, keep_opaque=False):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+    if network:
+        # the runtime bind-mounts the host's resolv.conf there; an empty upper file is its mountpoint
+        p = upper / "etc" / "resolv.conf"
+        with contextlib.suppress(OSError):
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                p.unlink()
+    for dirpath, dirnames, filenames in os.walk(upper):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+            for attr in _overlay_xattrs(Path(name)):
+                with contextlib.suppress(OSError):
+                    os.removexattr(name, attr, follow_symlinks=False)
+                    removed += 1
+    return removed
+
+
+def _overlay_xattrs(p: Path, keep_opaque: bool = True) -> list[str]:
+    try:
+        names = os.listxattr(p, follow_symlinks=False)
+    except OSError:
+        return []
+    return [n for n in names if n.startswith("trusted.overlay.") and not (keep_opaque and n in _KEEP_XATTRS)]
+
+
+def pack_upper(store: ImageStore, upper: Path, source: dict[str, Any], compress: str | None = None, *,
+               clean: bool = False, network: bool = False) -> Layer:
+    """Pack `upper` (excluding runtime artifacts) into a layer in `store`; returns it (deduplicated).
+
+    `clean=True` first strips overlayfs bookkeeping in place (see `clean_upper`); use it only when the
+    sandbox owning `upper` is paused or stopped and will not be resumed."""
     upper = Path(upper)
     if not upper.is_dir():
         raise ImageBuildError(f"no writable layer at {upper}")
+    if clean:
+        clean_upper(upper, network=network)
     tmp = store.tmp_dir / (tmp_name("upper-") + ".erofs")
-    argv = [mkfs_binary(), "-U", _FIXED_UUID, "--quiet"]
-    for rel in RUNTIME_ARTIFACTS:
-        # only skip the artifact when it is the runtime's empty mountpoint, never user data of that name
-        p = upper / rel
-        if p.is_dir() and not p.is_symlink() and not any(os.scandir(p)):
-            argv.append(f"--exclude-path={rel}")
-    if compress:
-        argv.append(f"-z{compress}")
-    argv += [str(tmp), str(upper)]
     try:
-        r = run_sync(argv, timeout=3600, env=dict(os.environ, SOURCE_DATE_EPOCH=_EPOCH))
-        if r.returncode != 0:
-            raise ImageBuildError(f"mkfs.erofs failed on {upper}: {r.stderr.decode(errors='replace')[-2000:]}")
+        build_erofs(upper, tmp, compress=compress, exclude=runtime_excludes(upper, network))
         return store.add_layer_file(tmp, source)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def upper_is_empty(upper: Path) -> bool:
+    """True when an upper holds nothing but runtime artifacts (the sandbox changed no file)."""
+    with os.scandir(upper) as it:
+        names = {e.name for e in it}
+    return not (names - {rel for rel in RUNTIME_ARTIFACTS if _is_empty_dir(Path(upper) / rel)})

@@ -1,0 +1,279 @@
+"""Garbage collection of the store: layers no image and no live sandbox references.
+
+A layer is kept when any of these holds:
+- a tagged image lists it (or an untagged image version younger than the grace period: a build or
+  import may be about to tag it);
+- a sandbox record under this host's $SHOAL_HOME/sandboxes lists it, or LayerMounts has users for it;
+- it is mounted on this host (any SHOAL_HOME: found in /proc/self/mountinfo and loop backing files);
+- another host holds a lease on it (`leases/<hex>/<host key>`, written by LayerMounts while mounted);
+- it was created or last used (metadata mtime, touched by every build/import/compose that reuses it)
+  less than `grace_s` ago — a layer another host is writing or about to reference is never collected.
+
+gc takes no lock (the store may be shared by many hosts); the grace period is what makes it safe.
+Untagged manifests, cache entries pointing at missing layers, orphan data files and stale temp files
+(older than the grace period) go too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.config import Paths
+from shoal.host import syscalls
+from shoal.images.store import ImageStore
+
+DEFAULT_GRACE_S = 3600.0
+_CACHE_KINDS = ("steps", "oci-diffids")
+
+
+@dataclass
+class GcReport:
+    """What a gc pass removed and why it kept the rest."""
+
+    removed_layers: list[str] = field(default_factory=list)
+    removed_manifests: list[str] = field(default_factory=list)
+    removed_cache_entries: int = 0
+    removed_tmp: int = 0
+    removed_orphans: int = 0
+    freed_bytes: int = 0
+    kept_referenced: int = 0
+    kept_in_use: list[str] = field(default_factory=list)
+    kept_young: list[str] = field(default_factory=list)
+    stale_leases_removed: int = 0
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+def _host_prefix() -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64] or "host"
+
+
+def _mounted_layer_files(store: ImageStore) -> set[str]:
+    """Hexes of store layers mounted on this host (file-backed or through a loop device)."""
+    layers_dir = os.path.realpath(store.layers_dir)
+    out: set[str] = set()
+
+    def note(path: str) -> None:
+        p = os.path.realpath(path.removesuffix(" (deleted)"))
+        if os.path.dirname(p) == layers_dir and p.endswith(".erofs"):
+            out.add(os.path.basename(p)[: -len(".erofs")])
+
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            parts = line.decode("utf-8", "surrogateescape").split()
+            try:
+                sep = parts.index("-")
+            except ValueError:
+                continue
+            if parts[sep + 1] != "erofs":
+                continue
+            src = syscalls._unescape(parts[sep + 2])
+            if src.startswith("/dev/loop"):
+                with contextlib.suppress(OSError):
+                    note(Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip())
+            else:
+                note(src)
+    return out
+
+
+def _leased(store: ImageStore, mounted_here: set[str], dry_run: bool, lease_max_age_s: float | None,
+            now: float, report: GcReport) -> set[str]:
+    out: set[str] = set()
+    me = _host_prefix()
+    if not store.leases_dir.is_dir():
+        return out
+    for hdir in store.leases_dir.iterdir():
+        if not hdir.is_dir():
+            continue
+        for lease in list(hdir.iterdir()):
+            if lease.name.startswith(".tmp-"):
+                continue
+            host = lease.name.rsplit("-", 1)[0]
+            if host == me:
+                # our own lease: trust the kernel's mount table, not the file
+                if hdir.name in mounted_here:
+                    out.add(hdir.name)
+                    continue
+                try:
+                    mp = json.loads(lease.read_text()).get("mountpoint", "")
+                except (OSError, ValueError):
+                    mp = ""
+                if mp and syscalls.is_mountpoint(mp):
+                    out.add(hdir.name)
+                    continue
+                if not dry_run:
+                    with contextlib.suppress(OSError):
+                        lease.unlink()
+                report.stale_leases_removed += 1
+                continue
+            try:
+                age = now - lease.stat().st_mtime
+            except OSError:
+                continue
+            if lease_max_age_s is None or age < lease_max_age_s:
+                out.add(hdir.name)
+        if not dry_run:
+            with contextlib.suppress(OSError):
+                hdir.rmdir()
+    return out
+
+
+def _local_users(paths: Paths | None) -> tuple[set[str], set[str]]:
+    """(layer hexes, manifest digests) that sandboxes of this SHOAL_HOME use."""
+    hexes: set[str] = set()
+    manifests: set[str] = set()
+    if paths is None:
+        return hexes, manifests
+    from shoal.node.records import list_records
+
+    for rec in list_records(paths.sandboxes):
+        hexes.update(rec.layers or [])
+        if rec.image_digest:
+            manifests.add(rec.image_digest)
+    root = paths.layer_mounts
+    if root.is_dir():
+        for p in root.glob("*.users"):
+            with contextlib.suppress(OSError):
+                if any(os.scandir(p)):
+                    hexes.add(p.name[: -len(".users")])
+    return hexes, manifests
+
+
+def _tagged(store: ImageStore) -> tuple[set[str], set[str]]:
+    manifests = {d for _, _, d in store.tags()}
+    layers: set[str] = set()
+    for d in manifests:
+        with contextlib.suppress(Exception):
+            layers.update(x[7:] for x in store.manifest(d).get("layers", []))
+    return manifests, layers
+
+
+def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: float = DEFAULT_GRACE_S,
+                    dry_run: bool = False, lease_max_age_s: float | None = None,
+                    now: float | None = None) -> GcReport:
+    """Remove what nothing references (see module docs); `dry_run` only reports."""
+    now = time.time() if now is None else now
+    report = GcReport(dry_run=dry_run)
+    cutoff = now - grace_s
+    tagged_m, tagged_l = _tagged(store)
+    local_l, local_m = _local_users(paths)
+    mounted = _mounted_layer_files(store)
+    leased = _leased(store, mounted, dry_run, lease_max_age_s, now, report)
+
+    # manifests: keep tagged, young, or used by a local sandbox; the rest go
+    keep_m = set(tagged_m) | local_m
+    for d in store.list_manifests():
+        mp = store.manifests_dir / f"{d[7:]}.json"
+        if d in keep_m:
+            continue
+        try:
+            young = mp.stat().st_mtime >= cutoff
+        except FileNotFoundError:
+            continue
+        if young:
+            keep_m.add(d)
+            continue
+        report.removed_manifests.append(d)
+    for d in keep_m - tagged_m:
+        with contextlib.suppress(Exception):
+            tagged_l.update(x[7:] for x in store.manifest(d).get("layers", []))
+
+    in_use = local_l | mounted | leased
+    candidates = []
+    for p in sorted(store.layers_dir.glob("*.json")):
+        h = p.stem
+        if len(h) != 64:
+            continue
+        if h in tagged_l:
+            report.kept_referenced += 1
+        elif h in in_use:
+            report.kept_in_use.append("sha256:" + h)
+        elif store.layer_last_used("sha256:" + h) >= cutoff:
+            report.kept_young.append("sha256:" + h)
+        else:
+            candidates.append(h)
+
+    if not dry_run:
+        for d in report.removed_manifests:
+            store.remove_manifest(d)
+    # a build may have tagged one of them meanwhile: look again right before deleting
+    _, tagged_again = _tagged(store)
+    for h in candidates:
+        if h in tagged_again or h in _mounted_layer_files(store) or \
+                store.layer_last_used("sha256:" + h) >= cutoff:
+            continue
+        with contextlib.suppress(OSError):
+            report.freed_bytes += (store.layers_dir / f"{h}.erofs").stat().st_size
+        report.removed_layers.append("sha256:" + h)
+        if not dry_run:
+            store.remove_layer("sha256:" + h)
+
+    removed = set(report.removed_layers)
+    for kind in _CACHE_KINDS:
+        for key, entry in store.cache_entries(kind):
+            lay = (entry or {}).get("layer")
+            gone = entry is None or (isinstance(lay, str) and (lay in removed or not store.has_layer(lay)))
+            if gone:
+                report.removed_cache_entries += 1
+                if not dry_run:
+                    store.cache_remove(kind, key)
+
+    # orphans: data without metadata (a writer crashed between the two) and metadata without data
+    for p in store.layers_dir.iterdir():
+        name = p.name
+        if name.endswith(".erofs"):
+            other = p.with_suffix(".json")
+        elif name.endswith(".json"):
+            other = p.with_suffix(".erofs")
+        elif name.startswith(".tmp-"):
+            other = None
+        else:
+            continue
+        try:
+            old = p.stat().st_mtime < cutoff
+        except FileNotFoundError:
+            continue
+        if old and (other is None or not other.exists()):
+            report.removed_orphans += 1
+            if not dry_run:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    for p in store.tmp_dir.iterdir():
+        if not _older_than(p, cutoff):
+            continue
+        report.removed_tmp += 1
+        if not dry_run:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+    return report
+
+
+def _older_than(p: Path, cutoff: float) -> bool:
+    """True when nothing in `p` (a file or a whole tree: an import in progress) changed since `cutoff`."""
+    try:
+        if p.lstat().st_mtime >= cutoff:
+            return False
+    except FileNotFoundError:
+        return False
+    if p.is_dir() and not p.is_symlink():
+        for dirpath, dirnames, filenames in os.walk(p):
+            for n in dirnames + filenames:
+                with contextlib.suppress(OSError):
+                    if os.lstat(os.path.join(dirpath, n)).st_mtime >= cutoff:
+                        return False
+    return True
