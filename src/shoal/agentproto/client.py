@@ -158,6 +158,9 @@ class ExecStream:
         self._shell = shell
         self._result: ExecResult | None = None
         self._done = False
+        # Output consumed by wait(): kept here so a cancelled and retried wait() loses nothing.
+        self._out: list[bytes] = []
+        self._err: list[bytes] = []
 
     @property
     def stream_id(self) -> int:
@@ -178,7 +181,9 @@ class ExecStream:
         while True:
             try:
                 fr = await self._s.get()
-            except BaseException:
+            except SandboxError:
+                # The connection died. (A cancelled wait, e.g. by wait_for, leaves the
+                # stream intact so the caller can wait again.)
                 self._finish()
                 raise
             if fr.type == F.STDOUT:
@@ -202,17 +207,18 @@ class ExecStream:
 
     async def wait(self) -> ExecResult:
         """Consume the remaining events; return the result with the output not yet iterated."""
-        out: list[bytes] = []
-        err: list[bytes] = []
         async for ev in self:
             if ev.kind == "stdout":
-                out.append(ev.data)
+                self._out.append(ev.data)
             elif ev.kind == "stderr":
-                err.append(ev.data)
+                self._err.append(ev.data)
         if self._result is None:
             raise AgentProtocolError("stream ended without a result")
-        self._result.stdout = b"".join(out)
-        self._result.stderr = b"".join(err)
+        if self._out or self._err:
+            self._result.stdout = b"".join(self._out)
+            self._result.stderr = b"".join(self._err)
+            self._out.clear()
+            self._err.clear()
         return self._result
 
     async def write_stdin(self, data: bytes) -> None:
