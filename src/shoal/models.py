@@ -105,3 +105,66 @@ class SandboxInfo:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
         return asdict(self)
+
+
+@dataclass
+class RunCodeResult(ExecResult):
+    """What one `run_code` call did: the run step as an ExecResult, plus the compile step, resource
+    use and fetched files. `status` says how it went in one word:
+
+    success · failed (non-zero exit or killed, e.g. by the memory limit) · timeout · compile_error ·
+    compile_timeout · error (shoal could not run it; `error` says why, e.g. its container died).
+    """
+
+    status: str = "success"
+    language: str = ""
+    #: the compile step of compiled languages (None for interpreted ones)
+    compile: ExecResult | None = None
+    #: CPU seconds (user + system) of the run step's processes that were waited for
+    cpu_time_s: float = 0.0
+    #: peak resident set of the run step's main process, KiB (a python run counts the warm interpreter's pages)
+    max_rss_kb: int = 0
+    #: fetched files (fetch_files), path -> bytes; missing or oversized files are absent
+    files: dict[str, bytes] = field(default_factory=dict)
+    error: str = ""
+    sandbox_id: str = ""
+    #: seconds spent waiting for a free pooled container, and the whole call as the caller saw it
+    queued_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the code compiled, ran to completion and exited 0."""
+        return self.status == "success"
+
+    def text(self) -> RunCodeResult:
+        """Return a copy with stdout/stderr (also the compile step's) decoded as UTF-8 (invalid bytes replaced)."""
+        base = ExecResult.text(self)
+        out = RunCodeResult(**{**self.__dict__, "stdout": base.stdout, "stderr": base.stderr,
+                               "compile": self.compile.text() if self.compile is not None else None})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form: output as text (UTF-8, invalid bytes replaced), files as base64."""
+        import base64
+
+        t = self.text()
+        d = {k: v for k, v in t.__dict__.items() if k not in ("compile", "files")}
+        d["compile"] = asdict(t.compile) if t.compile is not None else None
+        d["files"] = {k: base64.b64encode(v).decode() for k, v in self.files.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunCodeResult:
+        """Inverse of to_dict (output stays text; files are decoded from base64)."""
+        import base64
+
+        known = set(cls.__dataclass_fields__)
+        kw = {k: v for k, v in d.items() if k in known and k not in ("compile", "files")}
+        comp = d.get("compile")
+        if isinstance(comp, dict):
+            ekw = {k: v for k, v in comp.items() if k in ExecResult.__dataclass_fields__}
+            kw["compile"] = ExecResult(**ekw)
+        kw["files"] = {k: base64.b64decode(v) for k, v in (d.get("files") or {}).items()}
+        kw.setdefault("exit_code", -1)
+        return cls(**kw)

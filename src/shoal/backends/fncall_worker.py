@@ -1,0 +1,801 @@
+"""The in-container half of the fncall backend: a dispatcher and a zygote (stdlib only, Python >= 3.9).
+
+The host starts it inside a pooled container, through the shoal agent, with the tiny `BOOTSTRAP`
+(``python3 -I -c BOOTSTRAP <size>``) that reads this file's source from stdin and runs it; the first
+message on stdin is then the worker's configuration. The process's stdin/stdout are the channel to the
+host (agent STDIN/STDOUT frames), its stderr is a diagnostic log. Two processes live in the container
+besides the agent:
+
+* the **dispatcher** (this process, root) reads requests, writes the call's files, starts each step
+  through the zygote, enforces the deadline, collects output and resource use, then cleans up: it
+  kills every process other than PID 1 / itself / the zygote, removes the working dir, empties every
+  world-writable directory of the image (/tmp, /var/tmp, /dev/shm, ...) and SysV IPC objects.
+* the **zygote** (forked from the dispatcher *before* any call data existed, root) imports the
+  configured modules once and forks one child per step. It never sees call data — specs, code and
+  stdin reach the child through file descriptors it passes on unread — so no call can find an earlier
+  call's bytes in the memory it inherits.
+
+Each child: own session (setsid), OOM-killer's first choice, rlimits, unprivileged uid/gid, fresh
+working dir, fresh environment; a python step runs the code in the forked, pre-warmed interpreter,
+any other step execs its argv.
+
+Wire format (both directions): ``u32 header_len | header JSON | blobs``; the header's ``blobs`` lists
+the byte length of each blob that follows, in order.
+
+Never run this on a host: between calls it SIGKILLs every process it can see except PID 1 and its own.
+"""
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+
+_U32 = struct.Struct(">I")
+_ZPID = struct.Struct("<cii")  # b"P", pid, 0  |  b"E", 0, errno
+_ZEXIT = struct.Struct("<ciiqqq")  # b"X", pid, wait status, utime_us, stime_us, maxrss_kb
+_SKIP_WALK = ("/proc", "/sys", "/dev", "/.shoal")
+_READ = 1 << 16
+
+#: what the host runs (``python3 -I -c BOOTSTRAP <len(source)>``): read the worker's source from stdin, run it
+BOOTSTRAP = (
+    "import os,sys\n"
+    "n=int(sys.argv[1]);b=bytearray()\n"
+    "while len(b)<n:\n"
+    " c=os.read(0,n-len(b))\n"
+    " if not c:raise SystemExit(3)\n"
+    " b+=c\n"
+    "exec(compile(bytes(b),'shoal-fncall-worker','exec'),{'__name__':'__main__'})\n"
+)
+
+
+def _log(msg):
+    try:
+        os.write(2, ("fncall-worker[%d]: %s\n" % (os.getpid(), msg)).encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- framing
+def _read_exact(fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_message(fd):
+    """One message from ``fd``: (header dict, [blob bytes]) or None at EOF."""
+    raw = _read_exact(fd, 4)
+    if raw is None:
+        return None
+    (hlen,) = _U32.unpack(raw)
+    hdr = json.loads(_read_exact(fd, hlen) or b"{}")
+    blobs = []
+    for size in hdr.get("blobs", []):
+        data = _read_exact(fd, size) if size else b""
+        if data is None:
+            return None
+        blobs.append(data)
+    return hdr, blobs
+
+
+def write_message(fd, hdr, blobs=()):
+    """Send one message (header + blobs) on ``fd``."""
+    blobs = [bytes(b) for b in blobs]
+    hdr["blobs"] = [len(b) for b in blobs]
+    h = json.dumps(hdr, separators=(",", ":")).encode()
+    data = b"".join([_U32.pack(len(h)), h, *blobs])
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+# ---------------------------------------------------------------------------------------------- zygote
+def _vm_size_kb():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def zygote_main(sock, preload):
+    """Import `preload`, report, then fork one child per spawn request and report its exit."""
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    # numeric libraries start thread pools at import; a forked child would inherit locks, not threads
+    for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
+        os.environ.setdefault(k, "1")
+    loaded, failed = [], {}
+    for name in preload:
+        try:
+            __import__(name)
+            loaded.append(name)
+        except BaseException as e:  # a broken module must not kill the worker
+            failed[name] = "%s: %s" % (type(e).__name__, e)
+    import gc
+
+    gc.collect()
+    # objects created so far are never freed: keep the collector from touching (and un-sharing) them
+    if hasattr(gc, "freeze"):
+        gc.freeze()
+    base_vm_kb = _vm_size_kb()
+    sock.send(json.dumps({"loaded": loaded, "failed": failed, "vm_kb": base_vm_kb}).encode())
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 8)
+        except InterruptedError:
+            continue
+        except OSError:
+            os._exit(0)
+        if not msg or msg[:1] == b"Q":
+            os._exit(0)
+        if msg[:1] != b"S" or len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            continue
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            sock.send(_ZPID.pack(b"E", 0, e.errno or 0))
+            continue
+        if pid == 0:
+            sock.close()
+            _child(fds, base_vm_kb)  # never returns
+        for fd in fds:
+            os.close(fd)
+        sock.send(_ZPID.pack(b"P", pid, 0))
+        while True:
+            try:
+                _, status, ru = os.wait4(pid, 0)
+                break
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                status, ru = 255 << 8, None
+                break
+        ut = int(ru.ru_utime * 1e6) if ru else 0
+        st = int(ru.ru_stime * 1e6) if ru else 0
+        sock.send(_ZEXIT.pack(b"X", pid, status, ut, st, ru.ru_maxrss if ru else 0))
+
+
+# ---------------------------------------------------------------------------------------------- child
+def _child(fds, base_vm_kb):
+    """In the forked child: become the call's process, then exec argv or run the python code."""
+    spec_fd, stdin_fd, out_fd, err_fd = fds
+    try:
+        os.setsid()
+        size = os.fstat(spec_fd).st_size
+        spec = json.loads(os.pread(spec_fd, size, 0))
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")  # raising needs no privilege: the OOM killer takes the call, not the worker
+        except OSError:
+            pass
+        import resource
+
+        def lim(res, value):
+            if value is None or value < 0:
+                return
+            hard = resource.getrlimit(res)[1]
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)
+            resource.setrlimit(res, (value, value if hard == resource.RLIM_INFINITY else hard))
+
+        lim(resource.RLIMIT_CORE, 0)
+        if spec.get("cpu_s"):
+            lim(resource.RLIMIT_CPU, int(spec["cpu_s"]))
+        if spec.get("fsize_mb"):
+            lim(resource.RLIMIT_FSIZE, int(spec["fsize_mb"]) << 20)
+        if spec.get("memory_mb"):
+            extra = base_vm_kb << 10 if spec.get("mode") == "python" else 0
+            lim(resource.RLIMIT_AS, (int(spec["memory_mb"]) << 20) + extra)
+        if spec.get("nproc"):
+            lim(resource.RLIMIT_NPROC, int(spec["nproc"]))
+        os.setgroups([])
+        os.setgid(int(spec["gid"]))
+        os.setuid(int(spec["uid"]))
+        os.chdir(spec["cwd"])
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.closerange(3, 1 << 20)
+        env = spec["env"]
+        if spec.get("mode") != "python":
+            # Python ignores these; an exec'd program must get the defaults back (like subprocess does)
+            for sig in ("SIGPIPE", "SIGXFSZ", "SIGXFZ"):
+                if hasattr(signal, sig):
+                    signal.signal(getattr(signal, sig), signal.SIG_DFL)
+            argv = spec["argv"]
+            try:
+                os.execvpe(argv[0], argv, env)
+            except OSError as e:
+                os.write(2, ("shoal: cannot execute %s: %s\n" % (argv[0], e.strerror)).encode())
+                os._exit(127)
+    except BaseException as e:
+        try:
+            os.write(err_fd, ("shoal: could not start the call: %s: %s\n" % (type(e).__name__, e)).encode())
+        except OSError:
+            pass
+        os._exit(127)
+    _run_python(spec["file"], spec.get("args") or [], env, spec["cwd"])
+
+
+def _run_python(path, args, env, cwd):
+    """Run `path` as `__main__` in this (forked, warm) interpreter, exiting like `python path` would."""
+    import builtins
+    import io
+    import types
+
+    code = 0
+    try:
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                                     encoding="utf-8", errors="strict")
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                                       encoding="utf-8", errors="strict")
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+                                                       encoding="utf-8", errors="backslashreplace",
+                                                       line_buffering=True)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [path, *args]
+        sys.path.insert(0, cwd)
+        main = types.ModuleType("__main__")
+        main.__file__ = path
+        main.__builtins__ = builtins
+        main.__cached__ = None
+        sys.modules["__main__"] = main
+        with open(path, "rb") as f:
+            src = f.read()
+    except BaseException as e:
+        os.write(2, ("shoal: could not start python: %s: %s\n" % (type(e).__name__, e)).encode())
+        os._exit(127)
+    try:
+        exec(compile(src, path, "exec"), main.__dict__)
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException as e:
+        tb = e.__traceback__
+        # drop this runner's own frame: the traceback starts in the user's file, as `python main.py` shows
+        while tb is not None and tb.tb_frame.f_code.co_filename != path and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = None
+        e.__traceback__ = tb
+        try:
+            sys.excepthook(type(e), e, tb)
+        except BaseException:
+            pass
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+    code = _shutdown(code)
+    os._exit(code)
+
+
+def _exit_code(value):
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    try:
+        sys.stderr.write(str(value) + "\n")
+    except BaseException:
+        pass
+    return 1
+
+
+def _shutdown(code):
+    """What the interpreter does at exit: join non-daemon threads, atexit handlers, flush stdio."""
+    try:
+        threading = sys.modules.get("threading")
+        if threading is not None and hasattr(threading, "_shutdown"):
+            threading._shutdown()
+    except BaseException:
+        pass
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120
+    return code
+
+
+# ---------------------------------------------------------------------------------------------- dispatcher
+class Dispatcher:
+    """Serves the host's requests one at a time; see the module docstring."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.uid = int(cfg.get("uid", 65534))
+        self.gid = int(cfg.get("gid", 65534))
+        self.workdir = cfg.get("workdir", "/sandbox")
+        self.fsize_mb = int(cfg.get("fsize_mb", 256))
+        self.kill_grace_s = float(cfg.get("kill_grace_s", 5.0))
+        self.base_env = dict(os.environ)
+        self.base_env.pop("HOSTNAME", None)
+        self.base_env.update({"HOME": self.workdir, "PWD": self.workdir, "USER": "sandbox", "LOGNAME": "sandbox"})
+        self.base_env.update(cfg.get("env") or {})
+        self.clean_dirs = {}
+        self.pid = os.getpid()
+        self.infra = {1, self.pid}
+        self.zsock = None
+        self.zpid = 0
+        self.calls = 0
+
+    # ---- startup
+    def start(self):
+        t0 = time.monotonic()
+        if os.path.lexists(self.workdir) and (not os.path.isdir(self.workdir) or os.listdir(self.workdir)):
+            raise RuntimeError("the image already has %s; choose another fncall workdir" % self.workdir)
+        self._find_clean_dirs()
+        walk_ms = (time.monotonic() - t0) * 1000
+        tools = {t: shutil.which(t, path=self.base_env.get("PATH")) for t in self.cfg.get("tools", [])}
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            parent.close()
+            try:
+                zygote_main(child, list(self.cfg.get("preload") or []))
+            finally:
+                os._exit(1)
+        child.close()
+        self.zsock, self.zpid = parent, pid
+        self.infra.add(pid)
+        ready = json.loads(self.zsock.recv(1 << 20) or b"{}")
+        info = {"op": "ready", "pid": self.pid, "zygote": pid, "python": sys.version.split()[0],
+                "tools": tools, "preloaded": ready.get("loaded", []), "preload_failed": ready.get("failed", {}),
+                "clean_dirs": sorted(self.clean_dirs), "startup_ms": round((time.monotonic() - t0) * 1000, 1),
+                "walk_ms": round(walk_ms, 1)}
+        return info
+
+    def _find_clean_dirs(self):
+        """Every directory a call's uid could write to: world-writable ones (and any it owns)."""
+        found = set()
+        for top in ("/dev/shm", "/dev/mqueue"):
+            try:
+                st = os.lstat(top)
+                if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002:
+                    found.add(top)
+            except OSError:
+                pass
+        for root, dirs, _files in os.walk("/", topdown=True):
+            keep = []
+            for d in dirs:
+                p = os.path.join(root, d)
+                if p in _SKIP_WALK or p == self.workdir:
+                    continue
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                if st.st_mode & 0o002 or st.st_uid == self.uid or st.st_gid == self.gid and st.st_mode & 0o020:
+                    found.add(p)  # its contents are cleaned; no need to look inside
+                    continue
+                keep.append(d)
+            dirs[:] = keep
+        self.clean_dirs = {d: set(os.listdir(d)) for d in sorted(found)}
+
+    # ---- main loop
+    def serve(self):
+        while True:
+            msg = read_message(0)
+            if msg is None:
+                return
+            hdr, blobs = msg
+            op = hdr.get("op")
+            if op == "run":
+                try:
+                    out_hdr, out_blobs = self.run(hdr, blobs)
+                except ZygoteGone as e:
+                    out_hdr, out_blobs = {"error": "the worker's zygote died: %s" % e, "dirty": True, "fatal": True}, []
+                except Exception as e:  # a bug here must not take the worker down silently
+                    _log("run failed: %r" % (e,))
+                    out_hdr, out_blobs = {"error": "worker error: %s: %s" % (type(e).__name__, e), "dirty": True}, []
+                    self.cleanup()
+                out_hdr["id"] = hdr.get("id")
+                write_message(1, out_hdr, out_blobs)
+                if out_hdr.get("fatal"):
+                    return
+            elif op == "ping":
+                write_message(1, {"id": hdr.get("id"), "ok": True, "calls": self.calls,
+                                  "pids": len(self._other_pids())})
+            elif op == "exit":
+                return
+            else:
+                write_message(1, {"id": hdr.get("id"), "error": "unknown op %r" % (op,)})
+
+    # ---- one call
+    def run(self, req, blobs):
+        self.calls += 1
+        t0 = time.monotonic()
+        code, stdin = blobs[0], blobs[1] if req.get("has_stdin") else None
+        file_blobs = blobs[2:]
+        env = dict(self.base_env)
+        env.update(req.get("env") or {})
+        max_out = int(req.get("max_output", 1 << 20))
+        resp = {"steps": [], "files": [], "missing": [], "error": None, "dirty": False}
+        out_blobs = []
+        try:
+            self._fresh_workdir()
+            err = self._write_inputs(req, code, file_blobs)
+            if err:
+                resp["error"] = err
+                resp["error_code"] = "input"
+            else:
+                for step in req["steps"]:
+                    res, out, errb = self._run_step(step, env, stdin if step.get("stdin") else None, max_out)
+                    resp["steps"].append(res)
+                    out_blobs += [out, errb]
+                    if res.get("spawn_error") or (step.get("name") == "compile" and
+                                                  (res["exit_code"] != 0 or res["timed_out"])):
+                        break
+                if req.get("fetch"):
+                    fetched = self._fetch(req["fetch"], int(req.get("max_fetch", 64 << 20)))
+                    for path, data in fetched:
+                        if data is None:
+                            resp["missing"].append(path)
+                        else:
+                            resp["files"].append(path)
+                            out_blobs.append(data)
+        finally:
+            t1 = time.monotonic()
+            problems = self.cleanup()
+            if problems:
+                resp["dirty"] = True
+                resp["cleanup_problems"] = problems
+            resp["clean_ms"] = round((time.monotonic() - t1) * 1000, 3)
+            resp["total_ms"] = round((time.monotonic() - t0) * 1000, 3)
+        return resp, out_blobs
+
+    def _fresh_workdir(self):
+        if os.path.lexists(self.workdir):
+            self._remove(self.workdir)
+        os.mkdir(self.workdir, 0o755)
+        os.chown(self.workdir, self.uid, self.gid)
+
+    def _as_user(self):
+        os.setegid(self.gid)
+        os.seteuid(self.uid)
+
+    def _as_root(self):
+        os.seteuid(0)
+        os.setegid(0)
+
+    def _path(self, p):
+        return p if p.startswith("/") else os.path.join(self.workdir, p)
+
+    def _write_inputs(self, req, code, file_blobs):
+        """Write the files, then the source, with the call's uid (so permissions apply as to the call)."""
+        items = [(f["path"], f.get("mode", 0o644), data) for f, data in zip(req.get("files") or [], file_blobs)]
+        if req.get("source"):
+            items.append((req["source"], 0o644, code))
+        self._as_user()
+        try:
+            for path, mode, data in items:
+                full = self._path(path)
+                try:
+                    parent = os.path.dirname(full)
+                    if parent:
+                        os.makedirs(parent, exist_ok=True)
+                    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 mode & 0o7777)
+                    try:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(fd, view):]
+                    finally:
+                        os.close(fd)
+                except OSError as e:
+                    return "cannot write file %s: %s" % (path, e.strerror or e)
+        finally:
+            self._as_root()
+        return None
+
+    def _fetch(self, paths, max_bytes):
+        out = []
+        self._as_user()
+        try:
+            for p in paths:
+                full = self._path(p)
+                try:
+                    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+                except OSError:
+                    out.append((p, None))
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                        out.append((p, None))
+                        continue
+                    chunks, n = [], 0
+                    while n <= max_bytes:
+                        c = os.read(fd, 1 << 20)
+                        if not c:
+                            break
+                        chunks.append(c)
+                        n += len(c)
+                    out.append((p, b"".join(chunks) if n <= max_bytes else None))
+                finally:
+                    os.close(fd)
+        finally:
+            self._as_root()
+        return out
+
+    def _memfd(self, name, data):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    def _run_step(self, step, env, stdin, max_out):
+        """Start one step through the zygote; wait for it under its deadline; collect output."""
+        timeout = float(step.get("timeout") or 10.0)
+        spec = {"mode": step.get("mode", "exec"), "argv": step.get("argv") or [], "file": step.get("file"),
+                "args": step.get("args") or [], "env": env, "cwd": self.workdir, "uid": self.uid, "gid": self.gid,
+                "memory_mb": step.get("memory_mb"), "cpu_s": int(timeout) + 2, "fsize_mb": self.fsize_mb,
+                "nproc": step.get("nproc")}
+        spec_fd = self._memfd("spec", json.dumps(spec).encode())
+        stdin_fd = self._memfd("stdin", stdin) if stdin is not None else os.open("/dev/null", os.O_RDONLY)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(out_r, False)  # only our ends: the call's program gets ordinary blocking pipes
+        os.set_blocking(err_r, False)
+        res = {"name": step.get("name", "run"), "exit_code": -1, "signal": 0, "timed_out": False,
+               "truncated": False, "duration_ms": 0.0, "cpu_ms": 0.0, "maxrss_kb": 0}
+        bufs = {out_r: bytearray(), err_r: bytearray()}
+        try:
+            try:
+                socket.send_fds(self.zsock, [b"S"], [spec_fd, stdin_fd, out_w, err_w])
+            finally:
+                for fd in (spec_fd, stdin_fd, out_w, err_w):
+                    os.close(fd)
+            reply = self.zsock.recv(64)
+            if not reply:
+                raise ZygoteGone("the zygote exited")
+            kind, pid, err = _ZPID.unpack(reply)
+            t0 = time.monotonic()
+            if kind == b"E":
+                res["spawn_error"] = "fork failed: %s" % os.strerror(err)
+                return res, b"", b""
+            deadline = t0 + timeout
+            poller = select.poll()
+            for fd in bufs:
+                poller.register(fd, select.POLLIN)
+            zfd = self.zsock.fileno()
+            poller.register(zfd, select.POLLIN)
+            open_fds = set(bufs)
+            exited = None
+            while exited is None or open_fds:
+                now = time.monotonic()
+                if exited is None:
+                    wait_ms = 20 if res["timed_out"] else max(0, int((deadline - now) * 1000) + 1)
+                else:
+                    wait_ms = max(0, int((drain_deadline - now) * 1000) + 1)
+                events = poller.poll(wait_ms)
+                for fd, ev in events:
+                    if fd == zfd:
+                        data = self.zsock.recv(64)
+                        if not data:
+                            raise ZygoteGone("the zygote exited during a call")
+                        exited = _ZEXIT.unpack(data)
+                        res["duration_ms"] = round((time.monotonic() - t0) * 1000, 3)
+                        poller.unregister(zfd)
+                        # the main process is gone: nothing of the call may outlive it
+                        if not self.kill_others():
+                            res["unkillable"] = True
+                        drain_deadline = time.monotonic() + self.kill_grace_s
+                        continue
+                    self._drain(fd, bufs[fd], max_out, res)
+                    if ev & (select.POLLHUP | select.POLLERR) and not ev & select.POLLIN:
+                        poller.unregister(fd)
+                        open_fds.discard(fd)
+                now = time.monotonic()
+                if exited is None and now >= deadline and not res["timed_out"]:
+                    res["timed_out"] = True
+                    self.kill_others()
+                elif exited is not None and open_fds and now >= drain_deadline:
+                    res["unkillable"] = True  # someone still holds the pipes: the worker is not clean
+                    break
+            _, _, status, ut, st, rss = exited
+            if os.WIFSIGNALED(status):
+                res["signal"] = os.WTERMSIG(status)
+                res["exit_code"] = 128 + res["signal"]
+            else:
+                res["exit_code"] = os.WEXITSTATUS(status)
+            res["cpu_ms"] = round((ut + st) / 1000.0, 3)
+            res["maxrss_kb"] = rss
+            return res, bytes(bufs[out_r]), bytes(bufs[err_r])
+        finally:
+            os.close(out_r)
+            os.close(err_r)
+
+    @staticmethod
+    def _drain(fd, buf, cap, res):
+        while True:
+            try:
+                chunk = os.read(fd, _READ)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            room = cap - len(buf) if cap > 0 else len(chunk)
+            if room > 0:
+                buf += chunk[:room]
+            if len(chunk) > max(room, 0):
+                res["truncated"] = True
+
+    # ---- cleanup
+    def _other_pids(self):
+        out = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                pid = int(name)
+                if pid not in self.infra:
+                    out.append(pid)
+        return out
+
+    def kill_others(self):
+        """SIGKILL every process except PID 1, the dispatcher and the zygote; wait until they are reaped."""
+        deadline = time.monotonic() + self.kill_grace_s
+        pause = 0.0002
+        while True:
+            pids = self._other_pids()
+            if not pids:
+                return True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if time.monotonic() >= deadline:
+                _log("processes survive SIGKILL: %s" % pids[:20])
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def cleanup(self):
+        """Return the container to its pristine state; returns a list of problems (empty = clean)."""
+        problems = []
+        if not self.kill_others():
+            problems.append("processes survived SIGKILL")
+        try:
+            if os.path.lexists(self.workdir):
+                self._remove(self.workdir)
+        except OSError as e:
+            problems.append("cannot remove %s: %s" % (self.workdir, e))
+        for d, baseline in self.clean_dirs.items():
+            try:
+                names = os.listdir(d)
+            except OSError as e:
+                problems.append("cannot list %s: %s" % (d, e))
+                continue
+            for n in names:
+                if n not in baseline:
+                    try:
+                        self._remove(os.path.join(d, n))
+                    except OSError as e:
+                        problems.append("cannot remove %s/%s: %s" % (d, n, e))
+        problems += self._clean_sysv_ipc()
+        return problems
+
+    @staticmethod
+    def _remove(path):
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            # a call may have left a directory it made unreadable/unwritable for root-with-caps: fix modes
+            def onerror(fn, p, exc):
+                try:
+                    os.chmod(os.path.dirname(p) or "/", 0o700)
+                    os.chmod(p, 0o700)
+                except OSError:
+                    pass
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p)
+                else:
+                    os.unlink(p)
+
+            shutil.rmtree(path, onerror=onerror)
+        else:
+            os.unlink(path)
+
+    @staticmethod
+    def _clean_sysv_ipc():
+        problems = []
+        kinds = []
+        for kind in ("shm", "msg", "sem"):
+            try:
+                with open("/proc/sysvipc/" + kind) as f:
+                    lines = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            ids = [int(line.split()[1]) for line in lines if line.strip()]
+            if ids:
+                kinds.append((kind, ids))
+        if not kinds:
+            return problems
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        ipc_rmid = 0
+        for kind, ids in kinds:
+            for ident in ids:
+                if kind == "shm":
+                    rc = libc.shmctl(ident, ipc_rmid, None)
+                elif kind == "msg":
+                    rc = libc.msgctl(ident, ipc_rmid, None)
+                else:
+                    rc = libc.semctl(ident, 0, ipc_rmid)
+                if rc != 0:
+                    problems.append("cannot remove SysV %s %d: errno %d" % (kind, ident, ctypes.get_errno()))
+        return problems
+
+
+class ZygoteGone(Exception):
+    """The zygote died: this worker cannot start calls any more."""
+
+
+def main():
+    """Entry point inside the container."""
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            init = f.read()
+    except OSError:
+        init = b""
+    if b"shoal-agent" not in init:
+        sys.stderr.write("fncall worker: PID 1 is not shoal-agent; refusing to run outside a shoal sandbox\n")
+        sys.exit(2)
+    first = read_message(0)
+    if first is None:
+        sys.exit(0)
+    cfg = first[0]
+    # stray prints must never reach the channel to the host
+    sys.stdout = sys.stderr
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    d = Dispatcher(cfg)
+    try:
+        info = d.start()
+    except Exception as e:
+        write_message(1, {"op": "ready", "error": "%s: %s" % (type(e).__name__, e)})
+        sys.exit(1)
+    write_message(1, info)
+    try:
+        d.serve()
+    except ZygoteGone as e:
+        _log(str(e))
+    finally:
+        try:
+            d.zsock.send(b"Q")
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    main()
