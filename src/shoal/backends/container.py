@@ -192,5 +192,8 @@ class ContainerBackend(Backend):
 
     def info(self, rec: SandboxRecord) -> dict:
         """Runtime name, cgroup path, and whether the disk limit is enforced."""
-        return {"runtime": rec.runtime, "cgroup": rec.cgroup,
-                "disk_limit_enforced": bool(rec.extra.get("projid"))}
+        out = {"runtime": rec.runtime, "cgroup": rec.cgroup,
+               "disk_limit_enforced": bool(rec.extra.get("projid"))}
+        # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
+        out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
+        return out

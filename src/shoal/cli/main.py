@@ -298,6 +298,15 @@ def image_rm(names: list[str]) -> None:
     raise typer.Exit(1 if bad else 0)
 
 
+from shoal.cli.stateful import register as _register_stateful  # noqa: E402
+
+_register_stateful(app)
+
+from shoal.cli.server import register as _register_server  # noqa: E402
+
+_register_server(app)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

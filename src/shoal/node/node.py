@@ -455,6 +455,7 @@ class Node:
         from shoal.node.reclaim import reclaim_paused
         from shoal.node.statelock import sandbox_state_lock
 
+        self._record(sandbox_id)  # SandboxNotFound before any lock file is made
         async with sandbox_state_lock(self, sandbox_id):
             rec = self._record(sandbox_id)
             if rec.state == "paused":
@@ -476,6 +477,7 @@ class Node:
         from shoal.node.reclaim import drop_working_set, prefetch_before_thaw
         from shoal.node.statelock import sandbox_state_lock
 
+        self._record(sandbox_id)  # SandboxNotFound before any lock file is made
         async with sandbox_state_lock(self, sandbox_id):
             rec = self._record(sandbox_id)
             if rec.state != "paused":

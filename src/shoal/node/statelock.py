@@ -19,6 +19,9 @@ from typing import Any
 @contextlib.asynccontextmanager
 async def sandbox_state_lock(node: Any, sandbox_id: str) -> AsyncIterator[None]:
     """Hold the sandbox's lock (in-process asyncio lock, then a non-blocking polled flock)."""
+    from shoal.node.records import check_sandbox_id
+
+    check_sandbox_id(sandbox_id)  # it becomes part of a path
     locks: dict[str, asyncio.Lock] = node.__dict__.setdefault("_state_locks", {})
     lock = locks.setdefault(sandbox_id, asyncio.Lock())
     async with lock:
