@@ -306,6 +306,10 @@ from shoal.cli.server import register as _register_server  # noqa: E402
 
 _register_server(app)
 
+from shoal.cli.server import register as _register_server  # noqa: E402
+
+_register_server(app)
+
 
 def main() -> None:
     """Console-script entry point."""

@@ -1,0 +1,135 @@
+"""`shoal serve` and `shoal token …`: the API server and its tokens/projects/quotas."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from shoal.cli.common import console, err_console
+
+if TYPE_CHECKING:
+    from shoal.server.tokens import TokenStore
+
+token_app = typer.Typer(help="API tokens, projects and quotas (stored hashed under $SHOAL_HOME/api).",
+                        no_args_is_help=True)
+
+
+def _store() -> TokenStore:
+    from shoal.config import Paths
+    from shoal.server.tokens import TokenStore
+
+    return TokenStore(Paths.from_env().home)
+
+
+def serve(host: Annotated[str, typer.Option(help="address to bind (env SHOAL_API_HOST)")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="TCP port (env SHOAL_API_PORT)")] = 8700,
+          no_auth: Annotated[bool, typer.Option("--no-auth", help="serve without tokens on any address "
+                                                "(anyone who reaches it controls every sandbox)")] = False,
+          max_upload_mb: Annotated[float, typer.Option(help="largest file upload (MiB)")] = 64,
+          max_request_mb: Annotated[float, typer.Option(help="largest JSON request (MiB)")] = 8,
+          max_inflight: Annotated[int, typer.Option(help="requests in progress per token")] = 1024,
+          create_concurrency: Annotated[int, typer.Option(help="sandboxes created at once")] = 32,
+          log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "warning",
+          access_log: Annotated[bool, typer.Option(help="log every request")] = False) -> None:
+    """Serve the HTTP API (REST + WebSocket streams, /openapi.json, /healthz, /metrics).
+
+    Without any token configured the server binds loopback only; `shoal token create` turns auth on.
+    Stopping the server (Ctrl-C, SIGTERM, even kill -9) keeps sandboxes running; the next server serves them.
+    """
+    from shoal.server.run import serve as run_serve
+    from shoal.server.settings import ServerSettings
+
+    s = ServerSettings(host=host, port=port, no_auth=no_auth, max_upload_bytes=int(max_upload_mb * 2**20),
+                       max_request_bytes=int(max_request_mb * 2**20), max_inflight_per_token=max_inflight,
+                       create_concurrency=create_concurrency, log_level=log_level, access_log=access_log)
+    run_serve(s, say=lambda m: err_console.print(m, highlight=False, markup=False))
+
+
+@token_app.command("create")
+def token_create(project: Annotated[str, typer.Option(help="project the token acts in")] = "default",
+                 max_sandboxes: Annotated[int | None, typer.Option(help="project quota: sandboxes alive")] = None,
+                 max_cpus: Annotated[float | None, typer.Option(help="project quota: CPUs promised")] = None,
+                 max_memory_mb: Annotated[int | None, typer.Option(help="project quota: memory promised (MiB)")]
+                 = None,
+                 admin: Annotated[bool, typer.Option("--admin", help="operator token: sees every project, "
+                                                     "reads /metrics, builds and pulls images")] = False,
+                 name: Annotated[str, typer.Option(help="a note to recognise the token by")] = "") -> None:
+    """Make a token and print it once (only its hash is stored). Quota options set the project's quota."""
+    from shoal.server.tokens import Quota
+
+    q = Quota(max_sandboxes=max_sandboxes, max_cpus=max_cpus, max_memory_mb=max_memory_mb)
+    try:
+        tok = _store().create(project, admin=admin, name=name, quota=q)
+    except Exception as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    print(tok)
+    err_console.print(f"token for project {project!r}{' (admin)' if admin else ''}: shown once, keep it "
+                      "(export SHOAL_TOKEN=...; clients send 'Authorization: Bearer <token>')")
+
+
+@token_app.command("ls")
+def token_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List tokens (ids, projects, quotas; never secrets)."""
+    st = _store()
+    toks = st.tokens()
+    quotas = st.projects()
+    if as_json:
+        print(json.dumps({"tokens": [t.public() for t in toks],
+                          "projects": {p: q.__dict__ for p, q in quotas.items()}}, indent=1))
+        return
+    t = Table(title=f"{len(toks)} tokens")
+    for col in ("id", "project", "admin", "max sandboxes", "max cpus", "max MiB", "created", "name"):
+        t.add_column(col)
+    for tok in toks:
+        q = quotas.get(tok.project)
+
+        def lim(v: object) -> str:
+            return "-" if v is None else str(v)
+
+        t.add_row(tok.id, tok.project, "yes" if tok.admin else "", lim(q and q.max_sandboxes), lim(q and q.max_cpus),
+                  lim(q and q.max_memory_mb), time.strftime("%Y-%m-%d %H:%M", time.localtime(tok.created)), tok.name)
+    console.print(t)
+
+
+@token_app.command("rm")
+def token_rm(token_ids: Annotated[list[str], typer.Argument(help="token ids (or whole tokens)")]) -> None:
+    """Revoke tokens (servers stop accepting them within a second)."""
+    from shoal.errors import ShoalError
+
+    st = _store()
+    bad = 0
+    for tid in token_ids:
+        try:
+            e = st.remove(tid)
+            err_console.print(f"revoked {e.id} (project {e.project})")
+        except ShoalError as e:
+            bad += 1
+            err_console.print(f"[red]error:[/red] {e.message}")
+    raise typer.Exit(1 if bad else 0)
+
+
+@token_app.command("quota")
+def token_quota(project: Annotated[str, typer.Argument(help="project")],
+                max_sandboxes: Annotated[int | None, typer.Option()] = None,
+                max_cpus: Annotated[float | None, typer.Option()] = None,
+                max_memory_mb: Annotated[int | None, typer.Option()] = None) -> None:
+    """Set a project's quota (options left out become unlimited)."""
+    from shoal.server.tokens import Quota
+
+    try:
+        _store().set_quota(project, Quota(max_sandboxes, max_cpus, max_memory_mb))
+    except Exception as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    err_console.print(f"quota of {project!r}: sandboxes={max_sandboxes}, cpus={max_cpus}, memory_mb={max_memory_mb}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `serve` and `token` to the main CLI."""
+    app.command("serve")(serve)
+    app.add_typer(token_app, name="token")

@@ -1,0 +1,179 @@
+"""REST routes for images (list, get, remove, build, import, pull) and for fncall's run_code.
+
+Images a project makes are stored as `projects/<project>/<name>` and shown to it without the prefix
+(see `deps.Namespace`). Build and import call into `shoal.images`; what this build lacks answers 501.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Path as PathParam
+from pydantic import BaseModel, ConfigDict, Field
+
+from shoal.errors import Forbidden, ImageNotFound, InvalidRequest, NotImplementedYet
+from shoal.fsutil import tmp_name
+from shoal.server.deps import Namespace, authorized, require_admin, state_of
+from shoal.server.responses import errors
+from shoal.server.schemas import BuildIn, ImageList, RunCodeIn
+from shoal.server.tokens import Principal
+
+router = APIRouter(prefix="/v1", tags=["images"])
+Who = Annotated[Principal, Depends(authorized)]
+RefPath = Annotated[str, PathParam(max_length=300, description="name[:tag] or name@sha256:…")]
+
+
+class PullIn(BaseModel):
+    """A registry image to copy into the store (with skopeo)."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(..., max_length=1000, description="docker://registry/name:tag")
+    name: str = Field(..., min_length=1, max_length=200, description="name[:tag] in the store")
+    tls_verify: bool = True
+
+
+def _report(ns: Namespace, rep: Any) -> dict[str, Any]:
+    out = {k: getattr(rep, k) for k in ("format", "layers_unpacked", "layers_cached", "seconds", "notes")
+           if hasattr(rep, k)}
+    out["image"] = ns.show_image(rep.image.to_dict())
+    return out
+
+
+@router.get("/images", response_model=ImageList, responses=errors(), summary="List images")
+async def list_images(request: Request, who: Who) -> dict[str, Any]:
+    """Shared images plus the caller's project's own."""
+    st = state_of(request)
+    ns = Namespace(who)
+    imgs = await asyncio.to_thread(st.node.store.list_images)
+    return {"images": [ns.show_image(i.to_dict()) for i in imgs if ns.visible(i.name)]}
+
+
+@router.get("/images/{ref:path}", response_model=dict[str, Any], responses=errors(404), summary="Get an image")
+async def get_image(ref: RefPath, request: Request, who: Who) -> dict[str, Any]:
+    """One image: its layers (bottom first), config and lineage."""
+    st = state_of(request)
+    ns = Namespace(who)
+    img = st.node.store.resolve(ns.for_read(st, ref))
+    return ns.show_image(img.to_dict())
+
+
+@router.delete("/images/{ref:path}", status_code=204, responses=errors(403, 404), summary="Remove an image tag")
+async def remove_image(ref: RefPath, request: Request, who: Who) -> Response:
+    """Remove a tag of the caller's project (shared images: admin tokens only). Layers go at `gc`."""
+    st = state_of(request)
+    ns = Namespace(who)
+    name = ns.for_read(st, ref)
+    if not ns.owns(name):
+        if not st.node.store.exists(name):
+            raise ImageNotFound(f"image {ref} not found")
+        raise Forbidden(f"image {ref} is shared: only an operator (admin token) removes it")
+    st.node.store.remove_image(name)
+    return Response(status_code=204)
+
+
+@router.post("/images/build", response_model=dict[str, Any], responses=errors(403, 501, 503),
+             summary="Build an image")
+async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, Any]:
+    """Build the built-in `base` image (admin tokens), or a recipe when this build supports it."""
+    st = state_of(request)
+    ns = Namespace(who)
+    if body.recipe is None:
+        from shoal.images.refs import parse_ref
+
+        if parse_ref(body.name).name != "base":
+            raise InvalidRequest(f"no recipe given for {body.name!r}: only `base` builds without one",
+                                 errors=[{"field": "body.recipe", "message": "required unless name is base"}])
+        require_admin(who, "building the base image")
+        from shoal.images.base import build_base
+
+        ref = body.name if ":" in body.name else "base:latest"
+        img = await asyncio.to_thread(build_base, st.node.store, ref)
+        return ns.show_image(img.to_dict())
+    try:
+        from shoal.images.recipe import build_recipe  # type: ignore[import-not-found]
+    except ImportError:
+        raise NotImplementedYet("building images from recipes over the API is not available in this build; "
+                                "build on the server with `shoal image build`") from None
+    img = await asyncio.to_thread(build_recipe, st.node.store, ns.for_write(body.name), body.recipe)
+    return ns.show_image(img.to_dict() if hasattr(img, "to_dict") else dataclasses.asdict(img))
+
+
+@router.post("/images/import", response_model=dict[str, Any], responses=errors(403, 501, 503),
+             summary="Import a docker-archive or OCI-layout tarball",
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+async def import_image(request: Request, who: Who,
+                       name: Annotated[str, Query(min_length=1, max_length=200, description="name[:tag]")],
+                       select: Annotated[str | None, Query(max_length=300)] = None) -> dict[str, Any]:
+    """Import the tarball in the request body (`docker save` output or an OCI image layout) as `name`."""
+    st = state_of(request)
+    ns = Namespace(who)
+    target = ns.for_write(name)
+    try:
+        from shoal.images.oci import import_archive
+    except ImportError:
+        raise NotImplementedYet("image import is not available in this build") from None
+    tmp = Path(st.node.store.tmp_dir) / (tmp_name("upload-") + ".tar")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            async for chunk in request.stream():
+                f.write(chunk)
+        rep = await asyncio.to_thread(import_archive, st.node.store, tmp, target, select=select,
+                                      source_label="upload")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return _report(ns, rep)
+
+
+@router.post("/images/pull", response_model=dict[str, Any], responses=errors(403, 501, 503),
+             summary="Pull an image from a registry")
+async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]:
+    """Copy a registry image into the store with skopeo (admin tokens: the server fetches the URL)."""
+    st = state_of(request)
+    require_admin(who, "pulling from a registry")
+    ns = Namespace(who)
+    try:
+        from shoal.images.oci import pull_image as _pull
+    except ImportError:
+        raise NotImplementedYet("pulling images is not available in this build") from None
+    rep = await asyncio.to_thread(_pull, st.node.store, body.source, ns.for_write(body.name),
+                                  tls_verify=body.tls_verify)
+    return _report(ns, rep)
+
+
+def jsonable(obj: Any) -> Any:
+    """Turn a result object (dataclass, pydantic model, bytes…) into JSON-friendly data."""
+    if hasattr(obj, "to_dict"):
+        obj = obj.to_dict()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    elif hasattr(obj, "model_dump"):
+        obj = obj.model_dump()
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, (bytes, bytearray)):
+        return bytes(obj).decode("utf-8", "replace")
+    return obj
+
+
+@router.post("/run_code", response_model=dict[str, Any], responses=errors(500, 501, 503, 504), tags=["fncall"],
+             summary="Run a code snippet on the fncall backend")
+async def run_code(body: RunCodeIn, request: Request, who: Who) -> dict[str, Any]:
+    """Run a short snippet in a warm pool (no sandbox to manage); extra fields go to the backend."""
+    st = state_of(request)
+    extra = dict(body.model_extra or {})
+    try:
+        res = await st.node.run_code(body.code, language=body.language, **extra)
+    except TypeError as e:
+        raise InvalidRequest(f"bad run_code options: {e}") from None
+    return {"result": jsonable(res)}

@@ -1,0 +1,329 @@
+"""REST routes for sandboxes: create (one or a batch), list, get, close, exec, files, shells,
+pause/resume, snapshot, fork — each scoped to the caller's project."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import fields
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Path as PathParam
+
+from shoal.errors import Forbidden, InvalidRequest, NotImplementedYet, SandboxError, ShoalError
+from shoal.models import SandboxInfo, SandboxSpec
+from shoal.server.codec import b64decode_field, encode_exec_result
+from shoal.server.deps import Namespace, ServerState, authorized, owned_record, state_of
+from shoal.server.responses import SANDBOX_ERRORS, errors
+from shoal.server.schemas import (
+    BatchIn,
+    BatchOut,
+    DirList,
+    ExecIn,
+    ExecOut,
+    ForkIn,
+    SandboxList,
+    SandboxOut,
+    ShellOpenIn,
+    ShellOut,
+    ShellRunIn,
+    SnapshotIn,
+    SpecIn,
+)
+from shoal.server.tokens import Principal, check_project
+
+log = logging.getLogger("shoal.server")
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+Who = Annotated[Principal, Depends(authorized)]
+SidPath = Annotated[str, PathParam(max_length=200, description="sandbox id (`<node>-<26 chars>`)")]
+_SPEC_FIELDS = {f.name for f in fields(SandboxSpec)}
+
+
+def _spec(st: ServerState, who: Principal, body: SpecIn) -> SandboxSpec:
+    data = body.model_dump(exclude={"n"})
+    project = data.pop("project", None)
+    if project is not None and project != who.project:
+        if not who.admin:
+            raise Forbidden(f"this token creates sandboxes in project {who.project!r} only")
+        check_project(project)
+    data["project"] = project or who.project
+    data["image"] = Namespace(who).for_read(st, data["image"])
+    return SandboxSpec(**{k: v for k, v in data.items() if k in _SPEC_FIELDS})
+
+
+def _owner(st: ServerState, who: Principal, project: str) -> Principal:
+    # an admin acting in another project is accounted to that project, with that project's quota
+    if project == who.project:
+        return who
+    return Principal(project=project, admin=True, token_id=who.token_id, quota=st.tokens.quota(project))
+
+
+async def _create_one(st: ServerState, spec: SandboxSpec) -> SandboxInfo:
+    async with st.create_sem:
+        t0 = time.perf_counter()
+        info = await st.node.create(spec)
+    st.metrics.create_seconds.labels(spec.backend).observe(time.perf_counter() - t0)
+    return info
+
+
+def _item(ns: Namespace, it: SandboxInfo | BaseException, st: ServerState) -> dict[str, Any]:
+    if isinstance(it, SandboxInfo):
+        return {"sandbox": ns.show_info(it), "error": None}
+    err = it if isinstance(it, ShoalError) else SandboxError(f"create failed: {type(it).__name__}: {it}")
+    st.metrics.errors.labels(err.code).inc()
+    return {"sandbox": None, "error": err.to_dict()}
+
+
+def _batch(items: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = sum(1 for i in items if i["sandbox"] is not None)
+    return {"items": items, "created": ok, "failed": len(items) - ok}
+
+
+@router.post("", status_code=201, response_model=SandboxOut, responses=errors(403, 404, 500, 503, 504),
+             summary="Create a sandbox")
+async def create(body: SpecIn, request: Request, who: Who) -> dict[str, Any]:
+    """Create one sandbox and wait until it is ready (its agent answers)."""
+    st = state_of(request)
+    spec = _spec(st, who, body)
+    res = st.quotas.reserve(_owner(st, who, spec.project), 1, spec.cpus, spec.memory_mb)
+    try:
+        info = await _create_one(st, spec)
+        res.commit(info.id)
+    finally:
+        res.release()
+    return Namespace(who).show_info(info)
+
+
+@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 503), summary="Create many sandboxes")
+async def create_batch(body: BatchIn, request: Request, who: Who) -> dict[str, Any]:
+    """Create `n` sandboxes of one spec in one request; each item is a sandbox or the error it met
+    (quota and capacity refusals are per item, so a burst gets as many as fit)."""
+    st = state_of(request)
+    if body.n > st.settings.max_batch:
+        raise InvalidRequest(f"n={body.n} is over this server's batch limit of {st.settings.max_batch}",
+                             errors=[{"field": "body.n", "message": f"at most {st.settings.max_batch}"}])
+    spec = _spec(st, who, body)
+    st.node.store.resolve(spec.image)  # a missing image fails the request, not every item
+    res = st.quotas.reserve(_owner(st, who, spec.project), body.n, spec.cpus, spec.memory_mb, partial=True)
+
+    async def one() -> SandboxInfo | BaseException:
+        try:
+            info = await _create_one(st, SandboxSpec(**{k: getattr(spec, k) for k in _SPEC_FIELDS}))
+        except ShoalError as e:
+            return e
+        except Exception as e:
+            log.exception("create in batch failed")
+            return e
+        res.commit(info.id)
+        return info
+
+    try:
+        results: list[SandboxInfo | BaseException] = list(
+            await asyncio.gather(*(one() for _ in range(res.granted))))
+    finally:
+        res.release()
+    if res.refused is not None:
+        results += [res.refused] * (body.n - res.granted)
+    ns = Namespace(who)
+    return _batch([_item(ns, it, st) for it in results])
+
+
+@router.get("", response_model=SandboxList, responses=errors(403), summary="List sandboxes")
+async def list_sandboxes(request: Request, who: Who,
+                         label: Annotated[list[str] | None, Query(description="KEY=VALUE; repeat to match all")] = None,
+                         project: Annotated[str | None, Query(max_length=63, description="admin tokens: only this "
+                                                              "project (default: all)")] = None) -> dict[str, Any]:
+    """Sandboxes of the caller's project (admin tokens: of every project), optionally matching labels."""
+    st = state_of(request)
+    labels = {}
+    for item in label or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise InvalidRequest(f"label filter {item!r} must look like KEY=VALUE",
+                                 errors=[{"field": "query.label", "message": "expected KEY=VALUE"}])
+        labels[k] = v
+    if project is not None and not who.admin and project != who.project:
+        raise Forbidden(f"this token sees project {who.project!r} only")
+    scope = project if project is not None else (None if who.admin else who.project)
+    infos = await st.node.list(project=scope, labels=labels or None)
+    ns = Namespace(who)
+    return {"sandboxes": [ns.show_info(i) for i in infos]}
+
+
+@router.get("/{sandbox_id}", response_model=SandboxOut, responses=errors(404), summary="Get a sandbox")
+async def get(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
+    """One sandbox's state, spec and expiry."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    return Namespace(who).show_info(await st.node.get(sandbox_id))
+
+
+@router.delete("/{sandbox_id}", status_code=204, responses=SANDBOX_ERRORS, summary="Close a sandbox")
+async def close(sandbox_id: SidPath, request: Request, who: Who) -> Response:
+    """Destroy the sandbox and everything it had on the host."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    await st.node.close(sandbox_id)
+    st.quotas.forget(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/exec", response_model=ExecOut, response_model_exclude_none=True,
+             responses=SANDBOX_ERRORS, summary="Run a command to completion")
+async def exec_(sandbox_id: SidPath, body: ExecIn, request: Request, who: Who) -> dict[str, Any]:
+    """Run a command; the answer carries exit code, output, duration and whether it timed out."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    stdin = b64decode_field(body.stdin, "stdin")
+    t0 = time.perf_counter()
+    r = await st.node.exec(sandbox_id, body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env,
+                           user=body.user, stdin=stdin, max_output=body.max_output)
+    st.metrics.exec_seconds.labels("exec").observe(time.perf_counter() - t0)
+    return encode_exec_result(r)
+
+
+_OCTET = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+
+@router.get("/{sandbox_id}/files", response_class=Response, summary="Download a file",
+            responses={200: {"content": _OCTET, "description": "the file's bytes"}, **SANDBOX_ERRORS})
+async def read_file(sandbox_id: SidPath, request: Request, who: Who,
+                    path: Annotated[str, Query(min_length=1, max_length=4096,
+                                               description="absolute, or relative to the workdir")]) -> Response:
+    """A file's bytes (application/octet-stream)."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    data = await st.node.read_file(sandbox_id, path)
+    return Response(content=data, media_type="application/octet-stream")
+
+
+@router.put("/{sandbox_id}/files", status_code=204, summary="Upload a file",
+            responses=SANDBOX_ERRORS,
+            openapi_extra={"requestBody": {"required": True, "content": _OCTET}})
+async def write_file(sandbox_id: SidPath, request: Request, who: Who,
+                     path: Annotated[str, Query(min_length=1, max_length=4096)],
+                     mode: Annotated[str, Query(pattern=r"^0?[0-7]{3,4}$", description="octal, e.g. 0644")] = "0644",
+                     ) -> Response:
+    """Write the request body to `path` atomically (parent directories are created)."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    data = await request.body()
+    await st.node.write_file(sandbox_id, path, data, int(mode, 8))
+    return Response(status_code=204)
+
+
+@router.get("/{sandbox_id}/dir", response_model=DirList, responses=SANDBOX_ERRORS, summary="List a directory")
+async def list_dir(sandbox_id: SidPath, request: Request, who: Who,
+                   path: Annotated[str, Query(min_length=1, max_length=4096)] = ".") -> dict[str, Any]:
+    """A directory's entries, sorted by name."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    entries = await st.node.list_dir(sandbox_id, path)
+    return {"entries": [e.__dict__ for e in entries]}
+
+
+@router.post("/{sandbox_id}/shells", status_code=201, response_model=ShellOut, responses=SANDBOX_ERRORS,
+             summary="Open a persistent shell")
+async def shell_open(sandbox_id: SidPath, body: ShellOpenIn, request: Request, who: Who) -> dict[str, Any]:
+    """Start a bash session whose cwd, environment and functions persist between commands."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    return {"shell_id": await st.node.shell_open(sandbox_id, cwd=body.cwd, env=body.env, user=body.user)}
+
+
+@router.post("/{sandbox_id}/shells/{shell_id}/run", response_model=ExecOut, response_model_exclude_none=True,
+             responses=SANDBOX_ERRORS, summary="Run a command in a shell")
+async def shell_run(sandbox_id: SidPath, shell_id: str, body: ShellRunIn, request: Request,
+                    who: Who) -> dict[str, Any]:
+    """Run one command in the session (a timeout interrupts the command; the shell lives on)."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    t0 = time.perf_counter()
+    r = await st.node.shell_run(sandbox_id, shell_id, body.cmd, timeout=body.timeout, max_output=body.max_output)
+    st.metrics.exec_seconds.labels("shell").observe(time.perf_counter() - t0)
+    return encode_exec_result(r)
+
+
+@router.delete("/{sandbox_id}/shells/{shell_id}", status_code=204, responses=SANDBOX_ERRORS,
+               summary="Close a shell")
+async def shell_close(sandbox_id: SidPath, shell_id: str, request: Request, who: Who) -> Response:
+    """End the session and what still runs in it."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    await st.node.shell_close(sandbox_id, shell_id)
+    return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/pause", response_model=SandboxOut, responses=SANDBOX_ERRORS, summary="Pause")
+async def pause(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
+    """Freeze the sandbox (any later request resumes it)."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    await st.node.pause(sandbox_id)
+    return Namespace(who).show_info(await st.node.get(sandbox_id))
+
+
+@router.post("/{sandbox_id}/resume", response_model=SandboxOut, responses=SANDBOX_ERRORS, summary="Resume")
+async def resume(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
+    """Thaw a paused sandbox."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    await st.node.resume(sandbox_id)
+    return Namespace(who).show_info(await st.node.get(sandbox_id))
+
+
+@router.post("/{sandbox_id}/snapshot", response_model=dict[str, Any], responses=errors(404, 409, 500, 501, 503),
+             summary="Snapshot into a new image")
+async def snapshot(sandbox_id: SidPath, body: SnapshotIn, request: Request, who: Who) -> dict[str, Any]:
+    """Pack the sandbox's writable layer into a new image `name` (of the caller's project)."""
+    st = state_of(request)
+    owned_record(st, who, sandbox_id)
+    ns = Namespace(who)
+    name = ns.for_write(body.name)
+    try:
+        out = await st.node.snapshot(sandbox_id, name)
+    except ImportError:
+        raise NotImplementedYet("snapshots are not available in this build") from None
+    return ns.show_image(out)
+
+
+@router.post("/{sandbox_id}/fork", response_model=BatchOut, responses=errors(403, 404, 500, 501, 503),
+             summary="Fork into n children")
+async def fork(sandbox_id: SidPath, body: ForkIn, request: Request, who: Who) -> dict[str, Any]:
+    """`n` independent children starting from this sandbox's current files (per-item errors)."""
+    st = state_of(request)
+    rec = owned_record(st, who, sandbox_id)
+    ns = Namespace(who)
+    opts = dict(body.options)
+    if "project" in opts and opts["project"] != rec.project and not who.admin:
+        raise Forbidden(f"forks stay in project {rec.project!r}")
+    if "name" in opts and opts["name"] is not None:
+        opts["name"] = ns.for_write(str(opts["name"]))
+    elif ns.prefix is not None:
+        try:
+            from shoal.node.snapshot import fork_image_name
+        except ImportError:
+            raise NotImplementedYet("fork is not available in this build") from None
+        opts["name"] = ns.for_write(fork_image_name(sandbox_id))
+    cpus = float(opts.get("cpus", rec.spec.get("cpus", 1.0)))
+    mem = int(opts.get("memory_mb", rec.spec.get("memory_mb", 1024)))
+    owner = _owner(st, who, rec.project)
+    if body.n > st.settings.max_batch:
+        raise InvalidRequest(f"n={body.n} is over this server's batch limit of {st.settings.max_batch}")
+    res = st.quotas.reserve(owner, body.n, cpus, mem)
+    try:
+        try:
+            items = await st.node.fork(sandbox_id, body.n, **opts)
+        except ImportError:
+            raise NotImplementedYet("fork is not available in this build") from None
+        except TypeError as e:
+            raise InvalidRequest(f"bad fork options: {e}") from None
+        for it in items:
+            if isinstance(it, SandboxInfo):
+                res.commit(it.id)
+    finally:
+        res.release()
+    return _batch([_item(ns, it, st) for it in items])
+

@@ -1,0 +1,197 @@
+"""The API server's app factory: `create_app(node, settings) -> FastAPI`.
+
+One process serves one node agent (its sandboxes, mounts and agent connections live in this process);
+run it with `shoal serve` (uvicorn, uvloop, httptools). Extend it with `app.include_router(...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal import __version__
+from shoal.errors import CapacityExceeded, ShoalError
+from shoal.node.node import Node
+from shoal.server import api_images, api_sandboxes, api_stream
+from shoal.server.deps import ServerState, authorized, require_admin, state_of
+from shoal.server.limits import BodyGuard, TokenLimiter
+from shoal.server.metrics import Metrics
+from shoal.server.quotas import QuotaTracker
+from shoal.server.responses import errors
+from shoal.server.schemas import Health
+from shoal.server.settings import ServerSettings
+from shoal.server.tokens import Principal, TokenStore
+
+log = logging.getLogger("shoal.server")
+
+_HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 408: "timeout", 413: "invalid_request", 415: "invalid_request",
+               429: "capacity_exceeded"}
+
+DESCRIPTION = """\
+shoal's HTTP API: isolated, stateful sandboxes for agentic RL. Authenticate with
+`Authorization: Bearer <token>` (from `shoal token create`). Streaming exec and shell commands use a
+WebSocket at `/v1/sandboxes/{id}/stream` (protocol in docs/api.md). Every error answers
+`{"error": {"code", "message", "details"}}`; `code` names the `shoal.errors` class the SDK raises.
+"""
+
+
+def error_response(status: int, err: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSON error response in the one shape the API uses."""
+    return JSONResponse({"error": err}, status_code=status, headers=headers)
+
+
+def _install_handlers(app: FastAPI) -> None:
+    def count(request: Request, code: str) -> None:
+        with contextlib.suppress(Exception):
+            state_of(request).metrics.errors.labels(code).inc()
+
+    @app.exception_handler(ShoalError)
+    async def on_shoal_error(request: Request, exc: ShoalError) -> JSONResponse:
+        count(request, exc.code)
+        headers = {}
+        if isinstance(exc, CapacityExceeded):
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        elif exc.http_status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return error_response(exc.http_status, exc.to_dict(), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = []
+        for e in exc.errors():
+            loc = [str(x) for x in e.get("loc", ())]
+            errs.append({"field": ".".join(loc), "message": str(e.get("msg", "invalid"))})
+        summary = "; ".join(f"{x['field']}: {x['message']}" for x in errs[:5])
+        count(request, "invalid_request")
+        return error_response(422, {"code": "invalid_request", "message": f"invalid request: {summary}",
+                                    "details": {"errors": errs}})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "shoal_error")
+        msg = str(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":
+            msg = f"no route {request.method} {request.url.path}: see /openapi.json"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}: see /openapi.json"
+        count(request, code)
+        details = {"limit_bytes": exc.limit, "reason": "payload_too_large"} if hasattr(exc, "limit") else {}
+        return error_response(exc.status_code, {"code": code, "message": msg, "details": details},
+                              dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        count(request, "internal_error")
+        return error_response(500, {"code": "shoal_error", "message": f"internal error ({type(exc).__name__}): "
+                                    f"{exc}; the server log has the traceback", "details": {}})
+
+
+class RequestMetrics:
+    """ASGI middleware: count requests and time them by route template (not by raw path)."""
+
+    def __init__(self, app: Any, state_getter: Any) -> None:
+        self.app = app
+        self.state_getter = state_getter
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            st = self.state_getter()
+            if st is not None:
+                m = st.metrics
+                m.requests.labels(scope["method"], path, str(status[0])).inc()
+                m.request_seconds.labels(scope["method"], path).observe(time.perf_counter() - t0)
+
+
+def create_app(node: Node | None = None, settings: ServerSettings | None = None, *,
+               tokens: TokenStore | None = None, manage_node: bool = True) -> FastAPI:
+    """Build the API app around `node` (started and stopped with the app when `manage_node`)."""
+    settings = settings or ServerSettings()
+    node = node or Node()
+    tokens = tokens or TokenStore(node.paths.home)
+    limiter = TokenLimiter(settings.max_inflight_per_token, settings.max_queued_per_token)
+    state = ServerState(node=node, settings=settings, tokens=tokens, quotas=QuotaTracker(node.paths.sandboxes),
+                        limiter=limiter, metrics=Metrics(node, limiter), create_sem=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.create_sem = asyncio.Semaphore(max(1, settings.create_concurrency))
+        if manage_node:
+            await node.start()
+        state.quotas.refresh()
+        try:
+            yield
+        finally:
+            if manage_node:
+                # crash-only: sandboxes keep running; the next server re-adopts them
+                await node.stop()
+
+    app = FastAPI(title="shoal", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
+    app.state.shoal = state
+    _install_handlers(app)
+    app.include_router(api_sandboxes.router)
+    app.include_router(api_images.router)
+    app.include_router(api_stream.router)
+    _system_routes(app)
+    _include_fusion(app)
+    app.add_middleware(BodyGuard, settings=settings)
+    app.add_middleware(RequestMetrics, state_getter=lambda: state)
+    return app
+
+
+def _system_routes(app: FastAPI) -> None:
+    @app.get("/healthz", response_model=Health, tags=["system"], summary="Liveness")
+    async def healthz(request: Request) -> dict[str, Any]:
+        """The server and its node agent answer (no token needed)."""
+        st = state_of(request)
+        return {"status": "ok", "version": __version__, "node": st.node.config.node_id,
+                "auth": st.auth_required()}
+
+    @app.get("/metrics", tags=["system"], summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}, **errors(403)})
+    async def metrics(request: Request, who: Principal = Depends(authorized)) -> Response:
+        """Sandboxes by state, create/exec latency histograms, errors by code (admin tokens)."""
+        require_admin(who, "reading node metrics")
+        st = state_of(request)
+        data = await asyncio.to_thread(generate_latest, st.metrics.registry)
+        return Response(content=data, media_type=CONTENT_TYPE_LATEST)
+
+
+def _include_fusion(app: FastAPI) -> None:
+    # the SandboxFusion-compatible /run_code comes from the fncall backend's module when present
+    try:
+        from shoal.server import fusion  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    router = getattr(fusion, "router", None)
+    if router is not None:
+        app.include_router(router, dependencies=[Depends(authorized)])

@@ -1,0 +1,81 @@
+"""The wire form of shoal's data types, shared by the API server and `shoal.sdk.http` (no web imports).
+
+Command output is bytes; JSON carries text. An ExecResult travels with `encoding: "utf-8"` when both
+streams are valid UTF-8 (readable with curl) and `encoding: "base64"` otherwise, so the SDK always
+gets the exact bytes back.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import fields
+from typing import Any
+
+from shoal.errors import InvalidRequest
+from shoal.models import DirEntry, ExecResult, SandboxInfo
+
+#: WebSocket output frames start with one byte naming the stream
+STDOUT_TAG, STDERR_TAG = 1, 2
+
+
+def encode_exec_result(r: ExecResult) -> dict[str, Any]:
+    """ExecResult → JSON object (bytes kept exact; see module doc)."""
+    out, err = r.stdout, r.stderr
+    ob = out if isinstance(out, bytes) else str(out).encode()
+    eb = err if isinstance(err, bytes) else str(err).encode()
+    try:
+        so, se, enc = ob.decode("utf-8"), eb.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        so, se, enc = base64.b64encode(ob).decode(), base64.b64encode(eb).decode(), "base64"
+    d: dict[str, Any] = {"exit_code": int(r.exit_code), "stdout": so, "stderr": se, "encoding": enc,
+                         "duration_s": float(r.duration_s), "timed_out": bool(r.timed_out),
+                         "truncated": bool(r.truncated), "signal": int(r.signal)}
+    if hasattr(r, "alive"):
+        d["alive"] = bool(r.alive)
+    return d
+
+
+def decode_exec_result(d: dict[str, Any]) -> ExecResult:
+    """JSON object → ExecResult (a shell's result keeps its `alive` flag)."""
+    enc = d.get("encoding", "utf-8")
+
+    def dec(s: Any) -> bytes:
+        s = s or ""
+        return base64.b64decode(s) if enc == "base64" else str(s).encode("utf-8")
+
+    kw = dict(exit_code=int(d.get("exit_code", -1)), stdout=dec(d.get("stdout")), stderr=dec(d.get("stderr")),
+              duration_s=float(d.get("duration_s", 0.0)), timed_out=bool(d.get("timed_out", False)),
+              truncated=bool(d.get("truncated", False)), signal=int(d.get("signal", 0)))
+    if "alive" in d:
+        from shoal.agentproto.client import ShellResult
+
+        return ShellResult(**kw, alive=bool(d["alive"]))
+    return ExecResult(**kw)
+
+
+def encode_info(info: SandboxInfo) -> dict[str, Any]:
+    """SandboxInfo → JSON object."""
+    return info.to_dict()
+
+
+def decode_info(d: dict[str, Any]) -> SandboxInfo:
+    """JSON object → SandboxInfo (unknown keys from newer servers are ignored)."""
+    known = {f.name for f in fields(SandboxInfo)}
+    return SandboxInfo(**{k: v for k, v in d.items() if k in known})
+
+
+def decode_dir_entry(d: dict[str, Any]) -> DirEntry:
+    """JSON object → DirEntry."""
+    known = {f.name for f in fields(DirEntry)}
+    return DirEntry(**{k: v for k, v in d.items() if k in known})
+
+
+def b64decode_field(value: str | None, name: str) -> bytes | None:
+    """Decode a base64 request field, naming it when it is malformed."""
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{name}: not valid base64", field=name) from None

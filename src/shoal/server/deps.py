@@ -1,0 +1,161 @@
+"""What every route needs: who is calling (token → project), whether they may touch a sandbox, and how
+project-scoped image names map onto the shared store."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from shoal.errors import Forbidden, ImageNotFound, InvalidRequest, SandboxNotFound, Unauthorized
+from shoal.images.refs import parse_ref
+from shoal.models import SandboxInfo
+from shoal.node.records import SandboxRecord
+from shoal.server.tokens import DEFAULT_PROJECT, Principal
+
+if TYPE_CHECKING:
+    from shoal.node.node import Node
+    from shoal.server.limits import TokenLimiter
+    from shoal.server.metrics import Metrics
+    from shoal.server.quotas import QuotaTracker
+    from shoal.server.settings import ServerSettings
+    from shoal.server.tokens import TokenStore
+
+#: the principal of requests when the server runs without tokens (loopback or --no-auth)
+ANONYMOUS = Principal(project=DEFAULT_PROJECT, admin=True, token_id="-")
+#: image names under this prefix belong to one project each: projects/<project>/<name>
+PROJECT_IMAGES = "projects/"
+
+bearer = HTTPBearer(auto_error=False, description="an API token from `shoal token create` "
+                                                   "(not needed when the server runs without tokens)")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share (kept on `app.state.shoal`)."""
+
+    node: Node
+    settings: ServerSettings
+    tokens: TokenStore
+    quotas: QuotaTracker
+    limiter: TokenLimiter
+    metrics: Metrics
+    create_sem: Any  # asyncio.Semaphore, made on startup inside the server's loop
+
+    def auth_required(self) -> bool:
+        """Tokens are required once any exists, unless the server runs with --no-auth."""
+        return not self.settings.no_auth and self.tokens.has_tokens()
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The caller of a request with this Authorization header value; Unauthorized when not allowed."""
+        if not self.auth_required():
+            return ANONYMOUS
+        if not authorization:
+            raise Unauthorized("missing API token: send 'Authorization: Bearer <token>' "
+                               "(an operator makes one with `shoal token create --project NAME`)")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+        who = self.tokens.authenticate(token.strip())
+        if who is None:
+            raise Unauthorized("unknown or revoked API token: check SHOAL_TOKEN, or ask for a new one")
+        return who
+
+
+def state_of(request: Any) -> ServerState:
+    """The shared server state of a request or WebSocket."""
+    return request.app.state.shoal
+
+
+async def authorized(request: Request,
+                     creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> AsyncIterator[Principal]:
+    """Dependency: authenticate, then hold one of the token's in-progress slots for the request."""
+    st = state_of(request)
+    header = request.headers.get("authorization")
+    who = st.authenticate(header)
+    async with st.limiter.slot(who.token_id):
+        yield who
+
+
+def require_admin(who: Principal, what: str) -> None:
+    """Operator-only actions."""
+    if not who.admin:
+        raise Forbidden(f"{what} needs an admin token (`shoal token create --admin`)")
+
+
+def owned_record(st: ServerState, who: Principal, sandbox_id: str) -> SandboxRecord:
+    """The record of a sandbox the caller may touch; another project's sandbox is reported as not found."""
+    rec = st.node.record(sandbox_id)
+    if not who.admin and rec.project != who.project:
+        raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+    return rec
+
+
+class Namespace:
+    """A project's view of the image store.
+
+    Images a project makes (snapshots, builds) are stored as `projects/<project>/<name>`; the project
+    names them without the prefix. Names it looks up resolve to its own image first, then to a shared
+    one. Admin tokens and the `default` project see the store as it is.
+    """
+
+    def __init__(self, who: Principal) -> None:
+        self.prefix = None if who.admin or who.project == DEFAULT_PROJECT else f"{PROJECT_IMAGES}{who.project}/"
+        self.project = who.project
+
+    def _foreign(self, name: str) -> bool:
+        return self.prefix is not None and name.startswith(PROJECT_IMAGES) and not name.startswith(self.prefix)
+
+    def for_read(self, st: ServerState, ref: str) -> str:
+        """The store reference `ref` means for this project (own image first, then shared)."""
+        r = parse_ref(ref)
+        if self.prefix is None or r.name.startswith(self.prefix):
+            return ref
+        if self._foreign(r.name):
+            raise ImageNotFound(f"image {ref} not found")
+        mine = self.prefix + ref
+        return mine if st.node.store.exists(mine) else ref
+
+    def for_write(self, ref: str) -> str:
+        """The store name a new image of this project gets."""
+        r = parse_ref(ref)
+        if r.digest:
+            raise InvalidRequest(f"name new images by name:tag, not by digest ({ref})")
+        if self.prefix is None or r.name.startswith(self.prefix):
+            return ref
+        if r.name.startswith(PROJECT_IMAGES):
+            raise InvalidRequest(f"image names starting with {PROJECT_IMAGES!r} are reserved for projects")
+        return self.prefix + ref
+
+    def owns(self, name: str) -> bool:
+        """True when the caller may remove an image of this store name."""
+        return self.prefix is None or name.startswith(self.prefix)
+
+    def visible(self, name: str) -> bool:
+        """True when the caller sees an image of this store name."""
+        return not self._foreign(name)
+
+    def show(self, name: str) -> str:
+        """The name the caller sees for a store name."""
+        if self.prefix is not None and isinstance(name, str) and name.startswith(self.prefix):
+            return name[len(self.prefix):]
+        return name
+
+    def show_image(self, d: dict[str, Any]) -> dict[str, Any]:
+        """An image dict with names as the caller sees them."""
+        d = dict(d)
+        for k in ("name", "ref", "image"):
+            if isinstance(d.get(k), str):
+                d[k] = self.show(d[k])
+        return d
+
+    def show_info(self, info: SandboxInfo) -> dict[str, Any]:
+        """A sandbox as the caller sees it."""
+        d = info.to_dict()
+        d["image"] = self.show(d["image"])
+        if isinstance(d.get("spec"), dict) and isinstance(d["spec"].get("image"), str):
+            d["spec"] = {**d["spec"], "image": self.show(d["spec"]["image"])}
+        return d

@@ -1,0 +1,33 @@
+"""The error responses every route may answer, for `/openapi.json` (one schema: `ErrorOut`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.server.schemas import ErrorOut
+
+_WHY = {
+    401: "missing, malformed or unknown API token",
+    403: "a project quota would be exceeded (quota_exceeded), or the token may not do this (forbidden)",
+    404: "no such sandbox, image, shell or file — or it belongs to another project",
+    408: "the request body did not arrive in time",
+    409: "a file operation failed inside the sandbox",
+    413: "the request body is over the size limit",
+    422: "invalid input; `details.errors` names the fields",
+    429: "the node is at capacity or the token has too many requests in progress; retry after Retry-After",
+    500: "the sandbox failed (its agent died, it did not start)",
+    501: "this build does not provide the capability (the message says which)",
+    503: "the backend cannot run on this host",
+    504: "an operation did not finish within its deadline",
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for these error statuses (401, 413, 422 and 429 are always possible)."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for c in sorted({401, 408, 413, 422, 429, *codes}):
+        out[c] = {"model": ErrorOut, "description": _WHY[c]}
+    return out
+
+
+SANDBOX_ERRORS = errors(404, 409, 500, 503, 504)

@@ -1,0 +1,233 @@
+"""API tokens and projects, stored hashed under $SHOAL_HOME/api/tokens.json.
+
+A token reads `shoal_<id>_<secret>`: the id finds the entry, the secret is checked against its sha256
+(the secret has 256 random bits, so a fast hash is enough — there is nothing to brute-force). The
+plain token is shown once, at creation. Quotas belong to the project; every token of a project shares
+them. The file is rewritten atomically under a lock, so `shoal token create/rm` works while a server
+runs; the server notices the change within a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import InvalidRequest, ShoalError
+from shoal.fsutil import atomic_write
+
+PROJECT_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+TOKEN_RE = re.compile(r"^shoal_([a-z2-7]{10})_([A-Za-z0-9_-]{43})$")
+DEFAULT_PROJECT = "default"
+_B32 = "abcdefghijklmnopqrstuvwxyz234567"
+
+
+class TokenNotFound(ShoalError, LookupError):
+    """No token with this id."""
+
+    http_status = 404
+    code = "token_not_found"
+
+
+def check_project(project: str) -> str:
+    """Project names are short lowercase DNS-like labels (they prefix the project's image names)."""
+    if not isinstance(project, str) or not PROJECT_RE.match(project):
+        raise InvalidRequest(f"bad project name {project!r}: use 1-63 lowercase letters, digits and '-', "
+                             "starting and ending with a letter or digit")
+    return project
+
+
+@dataclass
+class Quota:
+    """Limits of one project; None means unlimited."""
+
+    max_sandboxes: int | None = None
+    max_cpus: float | None = None
+    max_memory_mb: int | None = None
+
+    def check(self) -> Quota:
+        """Reject negative or absurd limits."""
+        for name in ("max_sandboxes", "max_cpus", "max_memory_mb"):
+            v = getattr(self, name)
+            if v is not None and not (0 <= v <= 1 << 40):
+                raise InvalidRequest(f"{name}={v!r} must be a non-negative number")
+        return self
+
+    def is_unlimited(self) -> bool:
+        """True when no limit is set."""
+        return self.max_sandboxes is None and self.max_cpus is None and self.max_memory_mb is None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Quota:
+        """Build from JSON, ignoring unknown keys."""
+        d = d or {}
+        return cls(max_sandboxes=d.get("max_sandboxes"), max_cpus=d.get("max_cpus"),
+                   max_memory_mb=d.get("max_memory_mb"))
+
+
+@dataclass
+class TokenEntry:
+    """One stored token (never the secret itself)."""
+
+    id: str
+    project: str
+    sha256: str
+    admin: bool = False
+    name: str = ""
+    created: float = field(default_factory=time.time)
+
+    def public(self) -> dict[str, Any]:
+        """What `shoal token ls` shows."""
+        d = asdict(self)
+        d.pop("sha256")
+        return d
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a project (and whether it may act on every project)."""
+
+    project: str
+    admin: bool = False
+    token_id: str = "-"
+    quota: Quota = field(default_factory=Quota)
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class TokenStore:
+    """The token file of one SHOAL_HOME."""
+
+    def __init__(self, home: str | Path) -> None:
+        self.dir = Path(home) / "api"
+        self.path = self.dir / "tokens.json"
+        self._cache: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        self._checked = 0.0
+
+    # ---- reading ------------------------------------------------------------------------------
+    def _read(self) -> dict[str, Any]:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            self._cache = None
+            return {"tokens": {}, "projects": {}}
+        key = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        with open(self.path, "rb") as f:
+            data = json.loads(f.read() or b"{}")
+        data.setdefault("tokens", {})
+        data.setdefault("projects", {})
+        self._cache = (key, data)
+        return data
+
+    def _data(self, max_age_s: float = 1.0) -> dict[str, Any]:
+        # the server asks on every request: re-stat the file at most once a second
+        now = time.monotonic()
+        if self._cache is not None and now - self._checked < max_age_s:
+            return self._cache[1]
+        self._checked = now
+        return self._read()
+
+    def has_tokens(self) -> bool:
+        """True when at least one token exists (then the server requires one)."""
+        return bool(self._data()["tokens"])
+
+    def tokens(self) -> list[TokenEntry]:
+        """Every stored token, oldest first."""
+        data = self._read()
+        out = [TokenEntry(**{k: v for k, v in t.items() if k in TokenEntry.__dataclass_fields__})
+               for t in data["tokens"].values()]
+        return sorted(out, key=lambda t: t.created)
+
+    def quota(self, project: str) -> Quota:
+        """The quota of a project (unlimited when none was set)."""
+        return Quota.from_dict(self._data()["projects"].get(project))
+
+    def projects(self) -> dict[str, Quota]:
+        """Every project with a quota entry."""
+        return {p: Quota.from_dict(q) for p, q in self._read()["projects"].items()}
+
+    def authenticate(self, token: str) -> Principal | None:
+        """The principal of a presented token, or None when it is unknown or wrong."""
+        m = TOKEN_RE.match(token or "")
+        if not m:
+            return None
+        data = self._data()
+        entry = data["tokens"].get(m.group(1))
+        if entry is None or not hmac.compare_digest(entry.get("sha256", ""), _hash(m.group(2))):
+            return None
+        project = entry["project"]
+        return Principal(project=project, admin=bool(entry.get("admin")), token_id=m.group(1),
+                         quota=Quota.from_dict(data["projects"].get(project)))
+
+    # ---- writing ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        fd = os.open(self.dir / "tokens.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._cache = None
+            data = self._read()
+            yield data
+            atomic_write(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), mode=0o600)
+            self._cache = None
+        finally:
+            os.close(fd)
+
+    def create(self, project: str, *, admin: bool = False, name: str = "", quota: Quota | None = None) -> str:
+        """Make a token for `project` (setting the project's quota when given); returns the plain token."""
+        check_project(project)
+        if quota is not None:
+            quota.check()
+        if len(name) > 200:
+            raise InvalidRequest("token name longer than 200 characters")
+        tid = "".join(secrets.choice(_B32) for _ in range(10))
+        secret = secrets.token_urlsafe(32)
+        with self._locked() as data:
+            while tid in data["tokens"]:
+                tid = "".join(secrets.choice(_B32) for _ in range(10))
+            data["tokens"][tid] = asdict(TokenEntry(id=tid, project=project, sha256=_hash(secret),
+                                                    admin=admin, name=name))
+            if quota is not None and not quota.is_unlimited():
+                merged = Quota.from_dict(data["projects"].get(project))
+                for k, v in asdict(quota).items():
+                    if v is not None:
+                        setattr(merged, k, v)
+                data["projects"][project] = asdict(merged)
+        return f"shoal_{tid}_{secret}"
+
+    def set_quota(self, project: str, quota: Quota) -> None:
+        """Replace a project's quota (all fields; None = unlimited)."""
+        check_project(project)
+        quota.check()
+        with self._locked() as data:
+            if quota.is_unlimited():
+                data["projects"].pop(project, None)
+            else:
+                data["projects"][project] = asdict(quota)
+
+    def remove(self, token_id: str) -> TokenEntry:
+        """Delete a token by id (or by the full token); it stops working within a second."""
+        m = TOKEN_RE.match(token_id)
+        if m:
+            token_id = m.group(1)
+        with self._locked() as data:
+            entry = data["tokens"].pop(token_id, None)
+            if entry is None:
+                raise TokenNotFound(f"no token with id {token_id!r}; see `shoal token ls`")
+        return TokenEntry(**entry)
