@@ -302,6 +302,10 @@ from shoal.cli.stateful import register as _register_stateful  # noqa: E402
 
 _register_stateful(app)
 
+from shoal.cli.server import register as _register_server  # noqa: E402
+
+_register_server(app)
+
 
 def main() -> None:
     """Console-script entry point."""
