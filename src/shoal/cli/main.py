@@ -14,7 +14,8 @@ from shoal.cli.common import console, err_console, make_client, run_async
 
 app = typer.Typer(help="shoal: isolated, stateful sandboxes for agentic RL.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
-image_app = typer.Typer(help="Build, import, list and remove images.", no_args_is_help=True)
+from shoal.cli.images import image_app  # noqa: E402 - the `image` sub-commands live there
+
 app.add_typer(image_app, name="image")
 
 UrlOpt = Annotated[str | None, typer.Option("--url", help="API server (default: embedded node; env SHOAL_URL)")]
@@ -211,100 +212,6 @@ def gc() -> None:
         console.print(stats)
 
     run_async(go)
-
-
-# ---- images ------------------------------------------------------------------------------------
-@image_app.command("build")
-def image_build(name: Annotated[str, typer.Argument(help="image to build (`base` is built in)")] = "base") -> None:
-    """Build an image: `shoal image build base` (Debian bookworm via mmdebstrap)."""
-    from shoal.config import Paths
-    from shoal.images.base import build_base
-    from shoal.images.store import ImageStore
-
-    if name.split(":")[0] != "base":
-        err_console.print("[red]error:[/red] only the built-in `base` recipe is available in this build")
-        raise typer.Exit(2)
-    store = ImageStore(Paths.from_env().store)
-    with console.status("building base image (mmdebstrap)…") as status:
-        def log(msg: str) -> None:
-            status.update(msg)
-            err_console.print(f"  {msg}")
-
-        img = run_async(lambda: _to_async(build_base, store, name if ":" in name else "base:latest", log=log))
-    console.print(f"[green]built[/green] {img.ref} {img.digest[:19]}")
-
-
-async def _to_async(fn: Any, *a: Any, **kw: Any) -> Any:
-    import asyncio
-
-    return await asyncio.to_thread(fn, *a, **kw)
-
-
-@image_app.command("ls")
-def image_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """List images."""
-    from shoal.config import Paths
-    from shoal.images.store import ImageStore
-
-    imgs = ImageStore(Paths.from_env().store).list_images()
-    if as_json:
-        print(json.dumps([i.to_dict() for i in imgs], indent=1))
-        return
-    t = Table(title=f"{len(imgs)} images")
-    for col in ("image", "digest", "layers", "size", "created"):
-        t.add_column(col)
-    for i in imgs:
-        t.add_row(i.ref, i.digest[:19], str(len(i.layers)), f"{i.size / 2**20:.1f} MiB",
-                  time.strftime("%Y-%m-%d %H:%M", time.localtime(i.created)))
-    console.print(t)
-
-
-@image_app.command("layers")
-def image_layers(name: str) -> None:
-    """Show an image's layers, bottom first."""
-    from shoal.config import Paths
-    from shoal.errors import ShoalError
-    from shoal.images.store import ImageStore
-
-    try:
-        img = ImageStore(Paths.from_env().store).resolve(name)
-    except ShoalError as e:
-        err_console.print(f"[red]error:[/red] {e.message}")
-        raise typer.Exit(1) from None
-    t = Table(title=f"{img.ref} ({img.digest[:19]})")
-    for col in ("#", "layer", "size", "source"):
-        t.add_column(col)
-    for i, lay in enumerate(img.layers):
-        t.add_row(str(i), lay.digest[:19], f"{lay.size / 2**20:.1f} MiB", json.dumps(lay.source)[:80])
-    console.print(t)
-
-
-@image_app.command("rm")
-def image_rm(names: list[str]) -> None:
-    """Remove image tags (layers go at the next `shoal image gc`)."""
-    from shoal.config import Paths
-    from shoal.errors import ShoalError
-    from shoal.images.store import ImageStore
-
-    store = ImageStore(Paths.from_env().store)
-    bad = 0
-    for n in names:
-        try:
-            store.remove_image(n)
-            console.print(f"removed {n}")
-        except ShoalError as e:
-            bad += 1
-            err_console.print(f"[red]error:[/red] {e.message}")
-    raise typer.Exit(1 if bad else 0)
-
-
-from shoal.cli.stateful import register as _register_stateful  # noqa: E402
-
-_register_stateful(app)
-
-from shoal.cli.server import register as _register_server  # noqa: E402
-
-_register_server(app)
 
 
 def main() -> None:
