@@ -1,0 +1,86 @@
+"""Unit tests of shoal.node.reclaim: sizes, /proc/swaps, pagemap runs, working-set record and prefetch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+
+import pytest
+
+from shoal.errors import InvalidRequest
+from shoal.node import reclaim
+
+
+def test_parse_size() -> None:
+    assert reclaim.parse_size("8G") == 8 << 30
+    assert reclaim.parse_size("512m") == 512 << 20
+    assert reclaim.parse_size("1.5GiB") == 3 << 29
+    assert reclaim.parse_size("4096") == 4096
+    assert reclaim.parse_size(10) == 10
+    for bad in ("", "G", "-1G", "8X", "0", "1 2"):
+        with pytest.raises(InvalidRequest):
+            reclaim.parse_size(bad)
+
+
+def test_parse_swaps() -> None:
+    body = ["/dev/zram0                              partition\t4194300\t1024\t100",
+            "/swap\\040file                         file\t1000\t0\t-2", "garbage"]
+    devs = reclaim.parse_swaps(body)
+    assert [d.path for d in devs] == ["/dev/zram0", "/swap file"]
+    assert devs[0].size_kb == 4194300 and devs[0].used_kb == 1024 and devs[0].priority == 100
+    assert devs[1].priority == -2
+
+
+def test_runs_of_present_or_swapped_pages() -> None:
+    p, s = 1 << 63, 1 << 62
+    entries = array("Q", [0, p, p, 0, s, p | 5, 0, 0, p])
+    assert reclaim._runs(memoryview(entries.tobytes()).cast("Q"), 100) == [[101, 2], [104, 2], [108, 1]]
+    assert reclaim._runs(memoryview(array("Q", [0, 0]).tobytes()).cast("Q"), 0) == []
+
+
+def test_working_set_record_and_prefetch_of_a_real_process(tmp_path: Path) -> None:
+    # a child holding 8 MiB it touched: its working set covers them, and prefetch reads them all
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; x = bytearray(8 << 20); x[::4096] = b'a' * (2048); "
+                              "print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        ws = reclaim.record_working_set([child.pid, 999_999_999])
+        assert list(ws["procs"]) == [str(child.pid)]
+        assert reclaim.working_set_pages(ws) * reclaim.PAGE >= 8 << 20
+        reclaim.save_working_set(tmp_path, ws)
+        back = reclaim.load_working_set(tmp_path)
+        assert back == ws
+        pages = reclaim.prefetch_working_set(back)
+        assert pages >= (8 << 20) // reclaim.PAGE
+        reclaim.drop_working_set(tmp_path)
+        assert reclaim.load_working_set(tmp_path) is None
+    finally:
+        child.kill()
+        child.wait()
+    # the process is gone: prefetch skips it instead of failing
+    assert reclaim.prefetch_working_set(ws) == 0
+
+
+def test_sandbox_swap_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reclaim, "swap_active", lambda: False)
+    assert reclaim.sandbox_swap_mb(256) is None  # no swap: leave the runtime's default
+    monkeypatch.setattr(reclaim, "swap_active", lambda: True)
+    monkeypatch.setattr(reclaim, "_memsw_supported", lambda: True)
+    monkeypatch.delenv("SHOAL_SANDBOX_SWAP", raising=False)
+    assert reclaim.sandbox_swap_mb(256) == 256
+    monkeypatch.setenv("SHOAL_SANDBOX_SWAP", "0")
+    assert reclaim.sandbox_swap_mb(256) == 0
+    monkeypatch.setenv("SHOAL_SANDBOX_SWAP", "64M")
+    assert reclaim.sandbox_swap_mb(256) == 64
+    monkeypatch.setattr(reclaim, "_memsw_supported", lambda: False)
+    assert reclaim.sandbox_swap_mb(256) is None
+
+
+def test_swap_status_shape() -> None:
+    st = reclaim.swap_status()
+    assert set(st) == {"swap", "zram", "zswap"}
+    assert all(isinstance(s["size_kb"], int) for s in st["swap"])
