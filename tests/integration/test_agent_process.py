@@ -7,6 +7,7 @@ Every test kills the agent and every process it started, whatever the outcome.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shoal.agentproto import AgentClient
 from shoal.agentproto import frames as F
@@ -34,7 +37,9 @@ from shoal.errors import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-AGENT = REPO / "build" / "shoal-agent"
+# SHOAL_AGENT_BIN (as in shoal.agentbin) lets the suite run against another build, e.g. one with
+# sanitizers.
+AGENT = Path(os.environ.get("SHOAL_AGENT_BIN") or REPO / "build" / "shoal-agent")
 
 pytestmark = [
     pytest.mark.skipif(not AGENT.exists(), reason=f"{AGENT} is missing: run `make -C agent` first"),
@@ -104,6 +109,15 @@ def rss_kib(pid: int, field: str = "VmHWM") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no {field} for {pid}")
+
+
+def assert_memory_below(pid: int, mib: int, field: str = "VmHWM") -> None:
+    """Memory bound of the agent; meaningless for sanitizer builds (shadow memory), so only checked
+    for the real static binary."""
+    if os.environ.get("SHOAL_AGENT_BIN"):
+        return
+    kib = rss_kib(pid, field)
+    assert kib < mib * 1024, f"agent {field} {kib} KiB >= {mib} MiB"
 
 
 @dataclass
@@ -298,6 +312,36 @@ async def test_exec_stdin_round_trip(client: AgentClient) -> None:
     assert r.stdout == b"rest" and r.exit_code == 0
 
 
+async def test_big_stdin_to_a_slow_reader_is_buffered_within_bounds(client: AgentClient, agent: Agent) -> None:
+    data = os.urandom(24 << 20)
+    other = asyncio.ensure_future(client.exec(["sh", "-c", "sleep 0.2; echo other"]))
+    r = await client.exec(["sh", "-c", "sleep 1; sha256sum"], stdin=data, timeout=60)
+    assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
+    assert (await other).stdout == b"other\n"
+    # 24 MiB went through, but the agent never held more than its few-MiB stdin window.
+    assert_memory_below(agent.pid, 16)
+    # A process that never reads its stdin: the exec still ends and the connection recovers.
+    r = await client.exec(["true"], stdin=os.urandom(8 << 20), timeout=30)
+    assert r.ok
+    assert (await client.exec(["echo", "after"])).stdout == b"after\n"
+
+
+async def test_script_without_shebang_runs_under_sh(client: AgentClient, agent: Agent) -> None:
+    script = agent.dir / "noshebang"
+    script.write_text("echo from-sh $1\n")
+    script.chmod(0o755)
+    r = await client.exec([str(script), "arg"])
+    assert r.stdout == b"from-sh arg\n"
+
+
+async def test_non_utf8_arguments_and_env_round_trip(client: AgentClient) -> None:
+    arg = os.fsdecode(b"caf\xe9")
+    r = await client.exec(["printf", "%s|%s", arg, "\u00e9"], env={"V": os.fsdecode(b"\xff")})
+    assert r.stdout == b"caf\xe9|\xc3\xa9"
+    r = await client.exec(["sh", "-c", 'printf %s "$V"'], env={"V": os.fsdecode(b"\xff\xfe")})
+    assert r.stdout == b"\xff\xfe"
+
+
 async def test_exec_without_stdin_reads_dev_null(client: AgentClient) -> None:
     r = await client.exec(["cat"], timeout=5)
     assert r.ok and r.stdout == b""
@@ -382,7 +426,7 @@ async def test_output_cap_truncates_and_agent_memory_stays_bounded(client: Agent
     assert r.stdout.startswith(b"y\ny\n")
     r = await client.exec(["head", "-c", "1000", "/dev/zero"], max_output=1000)
     assert not r.truncated and len(r.stdout) == 1000
-    assert rss_kib(agent.pid) < 16 * 1024
+    assert_memory_below(agent.pid, 16)
 
 
 async def test_slow_client_gets_backpressure_not_agent_bloat(agent: Agent) -> None:
@@ -393,7 +437,7 @@ async def test_slow_client_gets_backpressure_not_agent_bloat(agent: Agent) -> No
         assert raw.until_end(1)[0].type == F.RESP
         raw.req(2, "exec", argv=["head", "-c", str(total), "/dev/zero"], max_output=0)
         await asyncio.sleep(1.0)  # not reading: the agent must stop reading the pipe
-        assert rss_kib(agent.pid, "VmRSS") < 24 * 1024
+        assert_memory_below(agent.pid, 24, "VmRSS")
         got = 0
         while True:
             fr = raw.frame()
@@ -404,7 +448,7 @@ async def test_slow_client_gets_backpressure_not_agent_bloat(agent: Agent) -> No
             elif fr.type in (F.RESP, F.ERR):
                 break
         assert fr.type == F.RESP and got == total
-        assert rss_kib(agent.pid) < 32 * 1024
+        assert_memory_below(agent.pid, 32)
     finally:
         raw.close()
 
@@ -984,3 +1028,60 @@ async def test_as_pid_1_of_a_pid_namespace() -> None:
         assert wait_gone(list(tree)) == []
     finally:
         stop_agent(a)
+
+
+# Requests with random shapes, restricted to harmless ops (no exec, write or remove).
+_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=20))
+_json = st.recursive(
+    _json_leaf,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+    max_leaves=20,
+)
+_safe_ops = st.sampled_from(["hello", "stat", "list_dir", "read_file", "ps", "shell_run", "shell_close", "nope"])
+_fields = st.dictionaries(
+    st.sampled_from(["path", "offset", "limit", "shell", "cmd", "timeout_ms", "token", "version", "x"]),
+    _json,
+    max_size=5,
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_agent() -> Iterator[Agent]:
+    a = start_agent()
+    try:
+        yield a
+    finally:
+        stop_agent(a)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    payloads=st.lists(
+        st.one_of(
+            st.binary(max_size=200),
+            _json.map(lambda v: F.encode_json({"v": v})),
+            st.builds(lambda op, f: F.encode_json({**f, "op": op}), _safe_ops, _fields),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_fuzzed_requests_get_an_answer_and_never_hurt_the_agent(
+    fuzz_agent: Agent, payloads: list[bytes]
+) -> None:
+    raw = RawConn(fuzz_agent.sock)
+    try:
+        for i, p in enumerate(payloads, start=1):
+            raw.send(F.encode_frame(F.REQ, i, p))
+        seen = set()
+        while len(seen) < len(payloads):
+            fr = raw.frame()
+            assert fr is not None, "the agent closed a connection that only sent well-framed requests"
+            if fr.type in (F.RESP, F.ERR):
+                body = F.decode_json(fr.payload)
+                if fr.type == F.ERR:
+                    assert isinstance(body["code"], str) and isinstance(body["message"], str)
+                seen.add(fr.stream)
+    finally:
+        raw.close()
+    assert fuzz_agent.proc.poll() is None
