@@ -296,8 +296,9 @@ void op_write_file(struct conn *c, uint32_t sid, const struct jv *req)
 			memset(r, (int)(now_ms() & 0xff), sizeof r);
 		size_t tl = plen + 32;
 		u->tmp = xmalloc(tl);
-		snprintf(u->tmp, tl, "%.*s.%s.shoal-%02x%02x%02x%02x%02x%02x", (int)(slash - path + 1), path,
-		         slash + 1, r[0], r[1], r[2], r[3], r[4], r[5]);
+		/* The base name is shortened so the temporary name stays within NAME_MAX. */
+		snprintf(u->tmp, tl, "%.*s.%.200s.shoal-%02x%02x%02x%02x%02x%02x", (int)(slash - path + 1),
+		         path, slash + 1, r[0], r[1], r[2], r[3], r[4], r[5]);
 		u->fd = open(u->tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
 		if (u->fd < 0) {
 			conn_send_errno(c, sid, path, errno);

@@ -36,6 +36,7 @@ static const char *g_listen_path;
 static const char *g_serial_path;
 static int64_t g_serial_reopen_at = -1;
 static int g_kicked;
+static int64_t g_accept_resume_at = -1;
 
 static void usage(void)
 {
@@ -199,8 +200,12 @@ static void on_accept(void)
 		if (fd < 0) {
 			if (errno == EINTR || errno == ECONNABORTED)
 				continue;
-			if (errno == EMFILE || errno == ENFILE)
+			if (errno == EMFILE || errno == ENFILE) {
+				/* The pending connection stays readable: pause instead of spinning. */
 				logmsg("accept: %s", strerror(errno));
+				src_want(&g_listen, 0);
+				g_accept_resume_at = now_ms() + 100;
+			}
 			return;
 		}
 		conn_new(fd, 0);
@@ -290,6 +295,7 @@ int main(int argc, char **argv)
 	sigaddset(&mask, SIGINT);
 	sigaddset(&mask, SIGHUP);
 	sigprocmask(SIG_BLOCK, &mask, NULL);
+	spawn_init();
 	int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
 	g_epfd = epoll_create1(EPOLL_CLOEXEC);
 	if (sfd < 0 || g_epfd < 0) {
@@ -361,6 +367,14 @@ int main(int argc, char **argv)
 		int64_t n2 = shell_timers(now);
 		if (n2 >= 0 && (next < 0 || n2 < next))
 			next = n2;
+		if (g_accept_resume_at >= 0) {
+			if (now >= g_accept_resume_at) {
+				g_accept_resume_at = -1;
+				src_want(&g_listen, EPOLLIN);
+			} else if (next < 0 || g_accept_resume_at < next) {
+				next = g_accept_resume_at;
+			}
+		}
 		if (g_serial_path && g_serial_reopen_at >= 0) {
 			if (now >= g_serial_reopen_at)
 				serial_open();

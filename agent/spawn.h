@@ -40,6 +40,8 @@ pid_t spawn_process(struct spawn_req *r);
 void spawn_error(const struct spawn_req *r, const char **code, char *msg, size_t msglen);
 
 extern struct rlimit g_orig_nofile;
+/* Call once after the agent's own signal setup. */
+void spawn_init(void);
 
 /* ---- /proc ---- */
 

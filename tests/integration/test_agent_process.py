@@ -298,6 +298,21 @@ async def test_children_get_clean_fds_signals_and_limits(client: AgentClient) ->
     assert soft == str(__import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)[0]).encode()
 
 
+async def test_children_reset_signals_the_agent_inherited_as_ignored() -> None:
+    a = start_agent(prefix=["sh", "-c", 'trap "" INT HUP QUIT USR1; exec "$@"', "sh"])
+    try:
+        with open(f"/proc/{a.pid}/status") as f:
+            assert any(line.startswith("SigIgn:") and line.split()[1] != "0" * 16 for line in f)
+        c = await a.connect()
+        try:
+            r = await c.exec(["grep", "-E", "^(SigBlk|SigIgn)", "/proc/self/status"])
+            assert [line.split()[1] for line in r.stdout.decode().splitlines()] == ["0" * 16] * 2
+        finally:
+            await c.close()
+    finally:
+        stop_agent(a)
+
+
 async def test_exec_stdin_round_trip(client: AgentClient) -> None:
     data = os.urandom(3 << 20)
     r = await client.exec(["cat"], stdin=data, max_output=0)
@@ -773,6 +788,13 @@ async def test_file_errors(client: AgentClient, agent: Agent) -> None:
         await client.remove(str(agent.dir / "full"))
     with pytest.raises(SandboxFileError):
         await client.mkdir(str(agent.dir / "full"), parents=False)
+
+
+async def test_write_file_with_a_maximal_name(client: AgentClient, agent: Agent) -> None:
+    p = agent.dir / ("n" * 255)
+    await client.write_file(str(p), b"long")
+    assert p.read_bytes() == b"long"
+    assert sorted(x.name for x in agent.dir.iterdir()) == ["a.sock", "n" * 255]
 
 
 async def test_write_modes_append_and_owner(client: AgentClient, agent: Agent) -> None:

@@ -268,7 +268,9 @@ class AgentClient:
     async def connect_unix(cls, path: str, token: str | None = None, timeout: float = 10.0) -> AgentClient:
         """Connect to an agent listening on the Unix socket ``path`` and say hello."""
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(path, limit=_READ_SIZE * 4), timeout
+            )
         except TimeoutError as e:
             raise Timeout(f"connecting to the agent at {path} took longer than {timeout}s") from e
         except OSError as e:
@@ -469,7 +471,11 @@ class AgentClient:
         rows: int = 24,
         cols: int = 80,
     ) -> ExecResult:
-        """Run ``argv`` to completion; stdout/stderr are bytes. ``stdin`` bytes are fed then closed."""
+        """Run ``argv`` to completion; stdout/stderr are bytes.
+
+        ``stdin`` bytes are fed to the process, then its stdin is closed; with ``tty=True`` they
+        are typed into the terminal instead and no EOF follows.
+        """
         h = await self.exec_stream(
             argv,
             env=env,
