@@ -92,3 +92,43 @@ def runtime_containers() -> list[str]:
             r = subprocess.run([rt, "list", "-q"], capture_output=True, text=True)
             ids += [x for x in r.stdout.split() if x.startswith("shoal-")]
     return ids
+
+
+# ---- the HTTP API (issue 6): one `shoal serve` per session; `any_client` runs a test on both transports
+API_PROJECT = "suite"
+
+
+@pytest.fixture(scope="session")
+def api_server(shoal_home: Path, base_image: str) -> Iterator:
+    """A real `shoal serve` child process on a free loopback port, sharing the session's SHOAL_HOME, with a
+    token of project `suite` (no quota). Attributes: `.url`, `.token`. Stopped (SIGTERM) at session end."""
+    from shoal.server.proc import ServerProcess
+    from shoal.server.tokens import TokenStore
+
+    token = TokenStore(shoal_home).create(API_PROJECT, name="pytest any_client")
+    srv = ServerProcess(log_path=shoal_home / "api-server.log", token=token)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["local", "http"])
+def any_transport(request: pytest.FixtureRequest, shoal_home: Path, base_image: str):
+    """Which transport `any_client` uses: None (embedded) or the session's API server."""
+    if request.param == "http":
+        return request.getfixturevalue("api_server")
+    return None
+
+
+@pytest.fixture
+async def any_client(any_transport) -> AsyncIterator:
+    """An async client over each transport in turn (embedded, then HTTP with a token): a test written
+    against it runs twice with the same assertions. Sandboxes it made are closed afterwards."""
+    import shoal
+
+    if any_transport is None:
+        async with shoal.Client() as c:
+            yield c
+    else:
+        async with shoal.Client(any_transport.url, token=any_transport.token) as c:
+            yield c

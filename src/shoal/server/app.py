@@ -138,11 +138,11 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
     tokens = tokens or TokenStore(node.paths.home)
     limiter = TokenLimiter(settings.max_inflight_per_token, settings.max_queued_per_token)
     state = ServerState(node=node, settings=settings, tokens=tokens, quotas=QuotaTracker(node.paths.sandboxes),
-                        limiter=limiter, metrics=Metrics(node, limiter), create_sem=None)
+                        limiter=limiter, metrics=Metrics(node, limiter),
+                        create_sem=asyncio.Semaphore(max(1, settings.create_concurrency)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.create_sem = asyncio.Semaphore(max(1, settings.create_concurrency))
         if manage_node:
             await node.start()
         state.quotas.refresh()

@@ -3,6 +3,7 @@ project-scoped image names map onto the shared store."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,7 @@ class ServerState:
     quotas: QuotaTracker
     limiter: TokenLimiter
     metrics: Metrics
-    create_sem: Any  # asyncio.Semaphore, made on startup inside the server's loop
+    create_sem: asyncio.Semaphore  # bounds sandboxes created at once by this server
 
     def auth_required(self) -> bool:
         """Tokens are required once any exists, unless the server runs with --no-auth."""
