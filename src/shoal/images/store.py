@@ -436,6 +436,34 @@ class ImageStore:
         with contextlib.suppress(OSError):
             p.parent.rmdir()
 
+    def copy_image_from(self, other: ImageStore, ref: str, as_ref: str | None = None, *, link: bool = True) -> Image:
+        """Bring image `ref` of another store into this one as `as_ref` (default: the same name:tag).
+        Layers are hard-linked when both stores share a filesystem (and `link`), else copied; re-verified."""
+        import shutil
+
+        img = other.resolve(ref)
+        for lay in img.layers:
+            if self.has_layer(lay.digest):
+                continue
+            tmp = self.tmp_dir / (tmp_name("copy-") + ".erofs")
+            try:
+                if not link:
+                    raise OSError("copy requested")
+                os.link(lay.path, tmp)
+            except OSError:
+                shutil.copyfile(lay.path, tmp)
+            try:
+                got = self.add_layer_file(tmp, lay.source)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+            if got.digest != lay.digest:
+                self.remove_layer(got.digest)
+                raise InvalidRequest(f"layer {lay.digest} of {other.root} is corrupt (its bytes hash to {got.digest})")
+        target = as_ref or (img.ref if img.tag else f"{img.name}:latest")
+        return self.put_image(target, [lay.digest for lay in img.layers], img.config,
+                              lineage=dict(img.lineage, copied_from=img.digest))
+
     # ---- caches -------------------------------------------------------------------------------
     def _cache_path(self, kind: str, key: str) -> Path:
         if not _CACHE_KIND.match(kind) or not _HEX64.match(key):
@@ -444,8 +472,9 @@ class ImageStore:
 
     def cache_get(self, kind: str, key: str) -> dict[str, Any] | None:
         """A cache entry, or None (missing or unreadable entries are misses)."""
+        path = self._cache_path(kind, key)
         try:
-            v = read_json(self._cache_path(kind, key))
+            v = read_json(path)
         except (OSError, ValueError):
             return None
         return v if isinstance(v, dict) else None

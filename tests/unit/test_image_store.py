@@ -1,0 +1,196 @@
+"""The layer store and image index: content addressing, atomic writes, concurrent writers, tags, caches."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.errors import ImageNotFound, InvalidRequest
+from shoal.fsutil import sha256_file
+from shoal.images.refs import parse_ref
+from shoal.images.store import MAX_LAYERS, ImageConfig, ImageStore
+
+
+def _tree(root: Path, n: int = 20, tag: str = "x") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"f{i}").write_text(f"{tag}{i}\n" * 50)
+    (root / "sub").mkdir(exist_ok=True)
+    (root / "sub" / "g").write_bytes(os.urandom(0) + tag.encode())
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [dirpath, *(os.path.join(dirpath, x) for x in dirnames + filenames)]:
+            os.utime(name, (1_000_000, 1_000_000), follow_symlinks=False)
+    return root
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ImageStore:
+    return ImageStore(tmp_path / "store")
+
+
+def test_refs_are_validated() -> None:
+    assert str(parse_ref("base")) == "base:latest"
+    assert str(parse_ref("team/proj:v1.2")) == "team/proj:v1.2"
+    for bad in ("", "UPPER", "a..b", "x:bad tag", "-x", "x:", "a//b", "x@sha256:abc", "/abs"):
+        if bad == "x:":
+            assert parse_ref(bad).tag == "latest"
+            continue
+        with pytest.raises(InvalidRequest):
+            parse_ref(bad)
+
+
+def test_layers_are_content_addressed_and_deduplicated(store: ImageStore, tmp_path: Path) -> None:
+    a = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "test"})
+    b = store.add_layer_from_dir(_tree(tmp_path / "b"), {"type": "test"})  # same content elsewhere
+    assert a.digest == b.digest
+    assert sha256_file(a.path) == a.hex
+    assert a.path.stat().st_mode & 0o777 == 0o444
+    assert len(store.list_layers()) == 1
+    meta = json.loads((store.layers_dir / f"{a.hex}.json").read_text())
+    assert set(meta) >= {"digest", "size", "created", "source"}
+    assert meta["size"] == a.path.stat().st_size
+    c = store.add_layer_from_dir(_tree(tmp_path / "c", tag="y"), {"type": "test"})
+    assert c.digest != a.digest
+    assert not any(store.tmp_dir.iterdir()), "temp files left behind"
+
+
+def test_metadata_holds_no_host_paths(store: ImageStore, tmp_path: Path) -> None:
+    lay = store.add_layer_from_dir(_tree(tmp_path / "src"), {"type": "test"})
+    store.put_image("p:v1", [lay.digest], ImageConfig(workdir="/work"), lineage={"note": "x"})
+    for p in store.root.rglob("*"):
+        if p.is_file() and p.suffix != ".erofs":
+            text = p.read_text()
+            assert str(tmp_path) not in text, f"{p} mentions a host path"
+
+
+def test_images_tags_move_and_manifests_stay(store: ImageStore, tmp_path: Path) -> None:
+    l1 = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "t"})
+    l2 = store.add_layer_from_dir(_tree(tmp_path / "b", tag="b"), {"type": "t"})
+    v1 = store.put_image("proj:v1", [l1.digest], ImageConfig(env={"A": "1"}, workdir="/w", user="1000",
+                                                               entrypoint=["/bin/sh"], cmd=["-c", "true"]))
+    got = store.resolve("proj:v1")
+    assert got.digest == v1.digest and got.config.env == {"A": "1"} and got.config.cmd == ["-c", "true"]
+    assert [x.digest for x in got.layers] == [l1.digest]
+    v2 = store.put_image("proj:v1", [l1.digest, l2.digest])
+    assert store.resolve("proj:v1").digest == v2.digest != v1.digest
+    # the old version is still reachable by digest: manifests never change
+    old = store.resolve(f"proj@{v1.digest}")
+    assert [x.digest for x in old.layers] == [l1.digest]
+    assert {(i.name, i.tag) for i in store.list_images()} == {("proj", "v1")}
+    store.remove_image("proj:v1")
+    with pytest.raises(ImageNotFound, match="shoal image ls"):
+        store.resolve("proj:v1")
+    with pytest.raises(ImageNotFound, match="shoal image build base"):
+        store.resolve("base")
+    with pytest.raises(ImageNotFound):
+        store.remove_image("proj:v1")
+
+
+def test_bad_images_are_refused(store: ImageStore, tmp_path: Path) -> None:
+    lay = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "t"})
+    with pytest.raises(ImageNotFound, match="not in the store"):
+        store.put_image("x:1", ["sha256:" + "0" * 64])
+    with pytest.raises(InvalidRequest):
+        store.put_image("x:1", [])
+    with pytest.raises(InvalidRequest, match="at most"):
+        store.put_image("x:1", [lay.digest] * (MAX_LAYERS + 1))
+    with pytest.raises(InvalidRequest):
+        store.put_image("x@sha256:" + "1" * 64, [lay.digest])
+    with pytest.raises(InvalidRequest):
+        store.layer("sha256:xyz")
+    assert store.list_images() == []
+
+
+def test_damaged_tag_and_incomplete_image_give_clear_errors(store: ImageStore, tmp_path: Path) -> None:
+    lay = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "t"})
+    store.put_image("x:1", [lay.digest])
+    (store.tags_dir / "x" / "1").write_text("garbage")
+    with pytest.raises(ImageNotFound, match="damaged tag"):
+        store.resolve("x:1")
+    store.put_image("y:1", [lay.digest])
+    lay.path.unlink()  # data vanished (e.g. someone rm'ed it): the image is incomplete
+    with pytest.raises(ImageNotFound, match="incomplete"):
+        store.resolve("y:1")
+    assert [i.ref for i in store.list_images()] == []
+
+
+def _writer(root: str, src: str, n: int, q: multiprocessing.Queue) -> None:
+    st = ImageStore(Path(root))
+    out = []
+    for _ in range(n):
+        lay = st.add_layer_from_dir(Path(src), {"type": "race"})
+        out.append(lay.digest)
+    q.put(out)
+
+
+def _checker(root: str, stop_at: float, q: multiprocessing.Queue) -> None:
+    # whenever a layer looks complete (metadata present), its data must already be whole
+    st = ImageStore(Path(root))
+    bad = []
+    seen = 0
+    while time.time() < stop_at:
+        for meta in st.layers_dir.glob("*.json"):
+            data = meta.with_suffix(".erofs")
+            if data.exists():
+                seen += 1
+                if sha256_file(data) != meta.stem:
+                    bad.append(meta.stem)
+    q.put((seen, bad))
+
+
+def test_concurrent_builders_of_the_same_layer_never_corrupt_it(store: ImageStore, tmp_path: Path) -> None:
+    src = _tree(tmp_path / "src", n=200)
+    ctx = multiprocessing.get_context("spawn")
+    q: multiprocessing.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(str(store.root), str(src), 8, q)) for _ in range(2)]
+    checker = ctx.Process(target=_checker, args=(str(store.root), time.time() + 6, q))
+    checker.start()
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in range(3)]
+    for p in [*procs, checker]:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    digests = {d for r in results if isinstance(r, list) for d in r}
+    (seen, bad) = next(r for r in results if isinstance(r, tuple))
+    assert len(digests) == 1, "the same tree must give the same layer in every process"
+    assert seen > 0 and bad == []
+    lay = store.layer(digests.pop())
+    assert sha256_file(lay.path) == lay.hex
+    assert not any(store.tmp_dir.iterdir())
+
+
+def test_add_layer_file_heals_a_damaged_copy(store: ImageStore, tmp_path: Path) -> None:
+    lay = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "t"})
+    good = lay.path.read_bytes()
+    os.chmod(lay.path, 0o644)
+    lay.path.write_bytes(good[: len(good) // 2])  # a torn copy left by a crashed writer elsewhere
+    tmp = store.tmp_dir / "x.erofs"
+    tmp.write_bytes(good)
+    again = store.add_layer_file(tmp, {"type": "t"})
+    assert again.digest == lay.digest
+    assert store.verify_layer(lay.digest)
+
+
+def test_caches_and_copies(store: ImageStore, tmp_path: Path) -> None:
+    key = "a" * 64
+    assert store.cache_get("steps", key) is None
+    store.cache_put("steps", key, {"layer": None})
+    assert store.cache_get("steps", key) == {"layer": None}
+    (store.cache_dir / "steps" / f"{key}.json").write_text("{not json")
+    assert store.cache_get("steps", key) is None  # unreadable = miss
+    with pytest.raises(InvalidRequest):
+        store.cache_get("../x", key)
+    with pytest.raises(InvalidRequest):
+        store.cache_get("steps", "../../etc/passwd")
+    lay = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "t"})
+    store.put_image("src:1", [lay.digest])
+    other = ImageStore(tmp_path / "other")
+    img = other.copy_image_from(store, "src:1", "dst:2")
+    assert img.ref == "dst:2" and img.layers[0].digest == lay.digest
+    assert other.verify_layer(lay.digest)
