@@ -113,14 +113,16 @@ static void exec_check(struct exec *e)
 		exec_finish(e);
 }
 
-static void exec_read(struct exec *e, struct src *s, int type)
+/* One read from an output pipe. Returns 1 if bytes came, 0 at EOF (the pipe is closed now),
+ * -1 when nothing is available or the client's buffer is full (the pipe is paused). */
+static int exec_read(struct exec *e, struct src *s, int type, int ignore_full)
 {
 	struct conn *c = e->st ? e->st->conn : NULL;
 	uint64_t *count = type == F_STDOUT ? &e->nout : &e->nerr;
 	int capped = e->max_output && *count >= e->max_output;
-	if (c && !capped && conn_out_full(c)) {
+	if (c && !capped && !ignore_full && conn_out_full(c)) {
 		src_want(s, 0); /* resumed by exec_resume when the client catches up */
-		return;
+		return -1;
 	}
 	/* Read into scratch, then copy what came: the connection's buffer grows only by real
 	 * output (a pipe holds at most 64 KiB by default, so nothing is lost by the size). */
@@ -137,20 +139,36 @@ static void exec_read(struct exec *e, struct src *s, int type)
 		} else if (capped) {
 			e->truncated = 1;
 		}
-		return;
+		return 1;
 	}
 	if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
 		/* EOF; EIO on a PTY master means every slave fd is closed. */
 		src_close(s);
-		exec_check(e);
+		return 0;
 	}
+	return -1;
 }
 
 void exec_on_event(struct src *s, uint32_t ev)
 {
 	(void)ev;
 	struct exec *e = s->owner;
-	exec_read(e, s, s->kind == SK_EXEC_OUT ? F_STDOUT : F_STDERR);
+	if (exec_read(e, s, s->kind == SK_EXEC_OUT ? F_STDOUT : F_STDERR, 0) == 0)
+		exec_check(e);
+}
+
+/* At the end of the grace period: take what the pipes hold right now. Whatever the main
+ * process wrote before exiting is in there, even if its readiness event has not been handled
+ * yet (with hundreds of busy fds, epoll reports them over several iterations). */
+static void exec_drain(struct exec *e)
+{
+	struct src *srcs[2] = {&e->out, &e->err};
+	for (int i = 0; i < 2; i++) {
+		size_t rounds = 0;
+		while (srcs[i]->fd >= 0 && rounds++ < 64 &&
+		       exec_read(e, srcs[i], i == 0 ? F_STDOUT : F_STDERR, 1) == 1) {
+		}
+	}
 }
 
 static struct exec *exec_find(pid_t pid)
@@ -200,6 +218,7 @@ int64_t exec_timers(int64_t now)
 				/* Output is still queued behind a slow client: wait for it. */
 				e->grace = now + EXIT_GRACE_MS;
 			} else {
+				exec_drain(e);
 				exec_finish(e);
 				continue;
 			}

@@ -532,6 +532,18 @@ async def test_many_concurrent_execs_on_one_connection(client: AgentClient) -> N
     await asyncio.gather(*(one(i) for i in range(200)))
 
 
+async def test_no_output_is_lost_when_hundreds_of_execs_end_at_once(client: AgentClient) -> None:
+    # More ready fds than one epoll_wait returns: a pipe's last bytes may still be unread when
+    # the 100 ms grace after its process's exit ends. The agent must drain it, not drop it.
+    async def one(i: int) -> bool:
+        r = await client.exec(["sh", "-c", 'echo "$0"; echo "e$0" >&2', str(i)])
+        return (r.stdout, r.stderr) == (f"{i}\n".encode(), f"e{i}\n".encode())
+
+    for _ in range(2):
+        results = await asyncio.gather(*(one(i) for i in range(500)))
+        assert results.count(False) == 0
+
+
 async def test_detached_exec_returns_pid_at_once(client: AgentClient, agent: Agent) -> None:
     marker = agent.dir / "detached"
     t0 = time.monotonic()
