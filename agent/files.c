@@ -278,12 +278,21 @@ void op_write_file(struct conn *c, uint32_t sid, const struct jv *req)
 	u->uid = uid;
 	u->gid = gid;
 	if (append) {
-		u->fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, (mode_t)mode);
+		/* O_NONBLOCK: a FIFO at the target must not hang the agent; only files are appended. */
+		u->fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY | O_NONBLOCK,
+		             (mode_t)mode);
+		struct stat st;
 		if (u->fd < 0) {
-			conn_send_errno(c, sid, path, errno);
+			conn_send_errno(c, sid, path, errno == ENXIO ? EINVAL : errno);
 			upload_free(u, 0);
 			return;
 		}
+		if (fstat(u->fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+			conn_send_err(c, sid, "io_error", "not a regular file", 0);
+			upload_free(u, 0);
+			return;
+		}
+		fcntl(u->fd, F_SETFL, O_APPEND);
 	} else {
 		struct stat st;
 		if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {

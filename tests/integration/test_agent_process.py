@@ -1119,3 +1119,32 @@ def test_fuzzed_requests_get_an_answer_and_never_hurt_the_agent(
     finally:
         raw.close()
     assert fuzz_agent.proc.poll() is None
+
+
+async def test_append_to_a_fifo_fails_instead_of_hanging(client: AgentClient, agent: Agent) -> None:
+    os.mkfifo(agent.dir / "fifo")
+    with pytest.raises(SandboxFileError):
+        await asyncio.wait_for(client.write_file(str(agent.dir / "fifo"), b"x", append=True), 5)
+    assert (await client.exec(["true"])).ok
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+async def test_hostile_etc_passwd_fifo_does_not_hang_the_agent() -> None:
+    d = Path(tempfile.mkdtemp(prefix="sa-pw-", dir="/tmp"))
+    os.mkfifo(d / "fifo")
+    # A private mount namespace: the FIFO hides /etc/passwd for this agent only.
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'mount --bind {d}/fifo /etc/passwd && exec "$@"', "sh"]
+    a = start_agent(prefix=wrap)
+    try:
+        c = await a.connect()
+        try:
+            r = await asyncio.wait_for(c.exec(["id", "-u"], user="12345"), 5)
+            assert r.stdout == b"12345\n"
+            with pytest.raises(InvalidRequest, match="no such user"):
+                await asyncio.wait_for(c.exec(["true"], user="nobody"), 5)
+        finally:
+            await c.close()
+    finally:
+        stop_agent(a)
+        shutil.rmtree(d, ignore_errors=True)
