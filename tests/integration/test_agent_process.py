@@ -7,6 +7,7 @@ Every test kills the agent and every process it started, whatever the outcome.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
@@ -1148,3 +1149,49 @@ async def test_hostile_etc_passwd_fifo_does_not_hang_the_agent() -> None:
     finally:
         stop_agent(a)
         shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_agent_leaks_no_fds_or_processes_after_a_mixed_workload(agent: Agent) -> None:
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{agent.pid}/fd"))
+
+    c = await agent.connect()
+    baseline = fds() - 1  # minus this connection
+    try:
+        await asyncio.gather(*(c.exec(["sh", "-c", "echo x; echo y >&2"]) for _ in range(50)))
+        await c.exec(["cat"], stdin=b"abc")
+        await c.exec(["tty"], tty=True)
+        await c.exec(["sleep", "10"], timeout=0.1)
+        await c.exec(["sh", "-c", "sleep 0.3 > /dev/null 2>&1 &"])
+        for bad in (["/nope"], ["true"]):
+            with contextlib.suppress(Exception):
+                await c.exec(bad, cwd="/nope" if bad == ["true"] else None)
+        h = await c.exec_stream(["sleep", "10"], stdin=True)
+        await h.send_signal(signal.SIGKILL)
+        await h.wait()
+        pid = await c.exec_detached(["sleep", "0.2"])
+        for _ in range(3):
+            sh = await c.shell_open()
+            await c.shell_run(sh, "cd /tmp; echo hi")
+            await c.shell_close(sh)
+        sh = await c.shell_open()
+        await c.shell_run(sh, "exit 0")
+        await c.write_file(str(agent.dir / "f"), os.urandom(300_000))
+        await c.read_file(str(agent.dir / "f"))
+        with contextlib.suppress(Exception):
+            await c.read_file(str(agent.dir / "missing"))
+        await c.list_dir(str(agent.dir))
+        await c.ps()
+        raw = RawConn(agent.sock)
+        raw.req(1, "write_file", path=str(agent.dir / "g"))
+        raw.send(F.encode_frame(F.DATA, 1, b"partial"))
+        raw.close()
+        assert wait_gone([pid]) == []
+    finally:
+        await c.close()
+    deadline = time.monotonic() + 5
+    while fds() > baseline and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert fds() == baseline, os.listdir(f"/proc/{agent.pid}/fd")
+    await asyncio.sleep(0.5)  # the `sleep 0.3 &` orphan ends and must be reaped
+    assert [p for p, (pp, st) in _proc_table().items() if pp == agent.pid] == []
