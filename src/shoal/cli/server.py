@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,28 +26,34 @@ def _store() -> TokenStore:
     return TokenStore(Paths.from_env().home)
 
 
-def serve(host: Annotated[str, typer.Option(help="address to bind (env SHOAL_API_HOST)")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port (env SHOAL_API_PORT)")] = 8700,
+def serve(host: Annotated[str | None, typer.Option(help="address to bind [env SHOAL_API_HOST; 127.0.0.1]")] = None,
+          port: Annotated[int | None, typer.Option(help="TCP port [env SHOAL_API_PORT; 8700]")] = None,
           no_auth: Annotated[bool, typer.Option("--no-auth", help="serve without tokens on any address "
                                                 "(anyone who reaches it controls every sandbox)")] = False,
-          max_upload_mb: Annotated[float, typer.Option(help="largest file upload (MiB)")] = 64,
-          max_request_mb: Annotated[float, typer.Option(help="largest JSON request (MiB)")] = 8,
-          max_inflight: Annotated[int, typer.Option(help="requests in progress per token")] = 1024,
-          create_concurrency: Annotated[int, typer.Option(help="sandboxes created at once")] = 32,
-          log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "warning",
+          max_upload_mb: Annotated[float | None, typer.Option(help="largest file upload, MiB [64]")] = None,
+          max_request_mb: Annotated[float | None, typer.Option(help="largest JSON request, MiB [8]")] = None,
+          max_inflight: Annotated[int | None, typer.Option(help="requests in progress per token [1024]")] = None,
+          create_concurrency: Annotated[int | None, typer.Option(help="sandboxes created at once [32]")] = None,
+          log_level: Annotated[str | None, typer.Option(help="uvicorn log level [warning]")] = None,
           access_log: Annotated[bool, typer.Option(help="log every request")] = False) -> None:
     """Serve the HTTP API (REST + WebSocket streams, /openapi.json, /healthz, /metrics).
 
     Without any token configured the server binds loopback only; `shoal token create` turns auth on.
     Stopping the server (Ctrl-C, SIGTERM, even kill -9) keeps sandboxes running; the next server serves them.
+    Every limit also reads a SHOAL_API_* variable (see docs/api.md); options given here win.
     """
     from shoal.server.run import serve as run_serve
     from shoal.server.settings import ServerSettings
 
-    s = ServerSettings(host=host, port=port, no_auth=no_auth, max_upload_bytes=int(max_upload_mb * 2**20),
-                       max_request_bytes=int(max_request_mb * 2**20), max_inflight_per_token=max_inflight,
-                       create_concurrency=create_concurrency, log_level=log_level, access_log=access_log)
-    run_serve(s, say=lambda m: err_console.print(m, highlight=False, markup=False))
+    s = ServerSettings(no_auth=no_auth, access_log=access_log)
+    given = {"host": host, "port": port, "max_inflight_per_token": max_inflight,
+             "create_concurrency": create_concurrency, "log_level": log_level,
+             "max_upload_bytes": None if max_upload_mb is None else int(max_upload_mb * 2**20),
+             "max_request_bytes": None if max_request_mb is None else int(max_request_mb * 2**20)}
+    for k, v in given.items():
+        if v is not None:
+            setattr(s, k, v)
+    run_serve(s, say=lambda m: print(m, file=sys.stderr, flush=True))  # plain lines: logs get parsed
 
 
 @token_app.command("create")
@@ -98,7 +105,7 @@ def token_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 
 @token_app.command("rm")
 def token_rm(token_ids: Annotated[list[str], typer.Argument(help="token ids (or whole tokens)")]) -> None:
-    """Revoke tokens (servers stop accepting them within a second)."""
+    """Revoke tokens (servers refuse them from the next request on)."""
     from shoal.errors import ShoalError
 
     st = _store()

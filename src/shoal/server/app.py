@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shoal import __version__
 from shoal.errors import CapacityExceeded, ShoalError
 from shoal.node.node import Node
+from shoal.node.records import list_records
 from shoal.server import api_images, api_sandboxes, api_stream
 from shoal.server.deps import ServerState, authorized, require_admin, state_of
 from shoal.server.limits import BodyGuard, TokenLimiter
@@ -152,6 +154,9 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
             if manage_node:
                 # crash-only: sandboxes keep running; the next server re-adopts them
                 await node.stop()
+                n = len(list_records(node.paths.sandboxes))
+                print(f"shoal API stopped; {n} sandbox(es) keep running for the next server", file=sys.stderr,
+                      flush=True)
 
     app = FastAPI(title="shoal", version=__version__, description=DESCRIPTION, lifespan=lifespan,
                   openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)

@@ -26,8 +26,9 @@ class BodyTooLarge(HTTPException):
     """The request body passed its size limit (413)."""
 
     def __init__(self, limit: int) -> None:
+        # the rest of the body may still come: close the connection rather than parse it as a request
         super().__init__(413, f"request body larger than {limit} bytes: send less (files: split them, or raise "
-                              "the server's --max-upload-mb)")
+                              "the server's --max-upload-mb)", headers={"Connection": "close"})
         self.limit = limit
 
 
@@ -35,7 +36,8 @@ class BodyTimeout(HTTPException):
     """The client stopped sending its request body (408)."""
 
     def __init__(self, what: str) -> None:
-        super().__init__(408, f"request body not received in time ({what}); the client must send it promptly")
+        super().__init__(408, f"request body not received in time ({what}); the client must send it promptly",
+                         headers={"Connection": "close"})
 
 
 def make_guarded_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
