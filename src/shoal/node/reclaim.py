@@ -141,7 +141,7 @@ def _zram_available() -> bool:
 def setup_zram_swap(size: int | str, algorithm: str | None = None, priority: int = 100) -> ZramDevice:
     """Make a zram device of `size` bytes and swap on it (idempotent: an existing zram swap is kept).
 
-    `algorithm` defaults to the best the kernel offers (zstd, then lz4, then lzo-rle).
+    `algorithm` defaults to the best ratio the kernel offers (zstd, then lzo-rle, then lz4).
     """
     if os.geteuid() != 0:
         raise BackendUnavailable("setting up swap needs root")
@@ -158,7 +158,10 @@ def setup_zram_swap(size: int | str, algorithm: str | None = None, priority: int
     sysd = Path("/sys/block") / dev
     offered = (sysd / "comp_algorithm").read_text().replace("[", " ").replace("]", " ").split()
     if algorithm is None:
-        algorithm = next((a for a in ("zstd", "lz4", "lzo-rle", "lzo") if a in offered), offered[0] if offered else "")
+        # ratio first: a paused sandbox's pages are compressed once and rarely read (lzo-rle beat lz4 by
+        # ~7% on program memory in benchmarks/bench_stateful.py; zstd is better still where offered)
+        algorithm = next((a for a in ("zstd", "lzo-rle", "lz4", "lzo") if a in offered),
+                         offered[0] if offered else "")
     elif algorithm not in offered:
         raise InvalidRequest(f"zram compression {algorithm!r} is not offered by this kernel: {', '.join(offered)}")
     try:
@@ -304,6 +307,12 @@ def _runs(entries: memoryview, base_page: int) -> list[list[int]]:
     return out
 
 
+def _device_mapping(name: str) -> bool:
+    # device memory must never be read through /proc/PID/mem (MMIO reads can have side effects);
+    # shared anonymous memory shows up as "/dev/zero (deleted)" and POSIX shm under /dev/shm: keep those
+    return name.startswith("/dev/") and not name.startswith(("/dev/zero", "/dev/shm/"))
+
+
 def process_working_set(pid: int) -> list[list[int]]:
     """[first_page, n_pages] runs of every resident or swapped page in `pid`'s address space."""
     runs: list[list[int]] = []
@@ -314,7 +323,7 @@ def process_working_set(pid: int) -> list[list[int]]:
                 continue
             perms = parts[1]
             name = parts[5].strip() if len(parts) > 5 else ""
-            if perms.startswith("---") or name in _SKIP_MAPPINGS or name.startswith("/dev/"):
+            if perms.startswith("---") or name in _SKIP_MAPPINGS or _device_mapping(name):
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             if hi - lo > MAX_SCAN_MAPPING:
@@ -349,9 +358,61 @@ def working_set_pages(ws: dict[str, Any]) -> int:
     return sum(n for p in ws.get("procs", {}).values() for _, n in p["runs"])
 
 
-def prefetch_working_set(ws: dict[str, Any], budget_s: float = PREFETCH_BUDGET_S) -> int:
-    """Read the recorded pages back through /proc/PID/mem (swap-in / page-cache reads); returns pages read.
+def _missing(pm_fd: int, first: int, n: int) -> list[list[int]]:
+    """Sub-runs of [first, first+n) whose pages are in swap now.
 
+    Only swapped pages are worth reading ahead: a dropped page-cache page comes back from the (host)
+    page cache on demand for the price of a minor fault, and reading all of them eagerly costs more
+    than it saves (measured: benchmarks/bench_stateful.py).
+    """
+    raw = os.pread(pm_fd, n * 8, first * 8)
+    raw = raw[: len(raw) - len(raw) % 8]
+    out: list[list[int]] = []
+    start = -1
+    for i, e in enumerate(memoryview(raw).cast("Q")):
+        if e & _SWAPPED:
+            if start < 0:
+                start = i
+        elif start >= 0:
+            out.append([first + start, i - start])
+            start = -1
+    if start >= 0:
+        out.append([first + start, len(raw) // 8 - start])
+    return out
+
+
+_MADV_WILLNEED = 3
+_SYS_PROCESS_MADVISE = {"x86_64": 440, "aarch64": 440}.get(os.uname().machine)
+_libc: Any = None
+
+
+def _process_madvise_willneed(pidfd: int, ranges: list[tuple[int, int]]) -> bool:
+    """Ask the kernel to read `ranges` (addr, length) of another process back from swap (no copy).
+
+    process_madvise(2), Linux >= 5.10, needs CAP_SYS_NICE. False when unavailable here.
+    """
+    global _libc
+    if _SYS_PROCESS_MADVISE is None:
+        return False
+    import ctypes
+
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    for i in range(0, len(ranges), 512):
+        chunk = ranges[i : i + 512]
+        iov = (ctypes.c_size_t * (2 * len(chunk)))(*[x for a, n in chunk for x in (a, n)])
+        r = _libc.syscall(_SYS_PROCESS_MADVISE, pidfd, iov, len(chunk), _MADV_WILLNEED, 0)
+        if r < 0:
+            return False
+    return True
+
+
+def prefetch_working_set(ws: dict[str, Any], budget_s: float = PREFETCH_BUDGET_S) -> int:
+    """Bring the recorded pages that are now in swap back into memory; returns how many pages.
+
+    Uses process_madvise(MADV_WILLNEED) (the kernel swaps the pages in without mapping or copying
+    them; the first touch is then a minor fault), else reads them through /proc/PID/mem. Pages still
+    resident, and dropped file pages (cheap to fault back from the page cache), are left alone.
     Blocking: run it in a thread, with the sandbox still frozen.
     """
     page = int(ws.get("page", PAGE))
@@ -362,27 +423,58 @@ def prefetch_working_set(ws: dict[str, Any], budget_s: float = PREFETCH_BUDGET_S
         if _starttime(pid) != p.get("start"):
             continue  # gone (or the pid was reused): nothing of ours to prefetch
         try:
-            fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+            pm = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue
         try:
-            for first, n in p["runs"]:
-                addr, left = first * page, n * page
-                while left > 0:
-                    chunk = min(left, 1 << 20)
-                    try:
-                        got = len(os.pread(fd, chunk, addr))
-                    except OSError:
-                        got = 0  # an unreadable range (unmapped since, or I/O memory): skip it
-                    done += max(got, 0) // page
-                    if got <= 0:
-                        break
-                    addr += got
-                    left -= got
-                if time.monotonic() > deadline:
-                    return done
+            todo: list[list[int]] = []
+            for run_first, run_n in p["runs"]:
+                with contextlib.suppress(OSError):
+                    todo.extend(_missing(pm, run_first, run_n))
         finally:
-            os.close(fd)
+            os.close(pm)
+        if not todo:
+            continue
+        ranges = [(first * page, n * page) for first, n in todo]
+        pidfd = -1
+        with contextlib.suppress(OSError, AttributeError):
+            pidfd = os.pidfd_open(pid)
+        try:
+            if pidfd >= 0 and _starttime(pid) == p.get("start") and _process_madvise_willneed(pidfd, ranges):
+                done += sum(n for _, n in todo)
+                continue
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        done += _read_back(pid, ranges, page, deadline)
+        if time.monotonic() > deadline:
+            return done
+    return done
+
+
+def _read_back(pid: int, ranges: list[tuple[int, int]], page: int, deadline: float) -> int:
+    """Fallback prefetch: read the ranges through /proc/PID/mem (faults them in; slower, copies)."""
+    done = 0
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        for addr, left in ranges:
+            while left > 0:
+                try:
+                    got = len(os.pread(fd, min(left, 1 << 20), addr))
+                except OSError:
+                    got = 0  # an unreadable range (unmapped since): skip it
+                if got <= 0:
+                    break
+                done += got // page
+                addr += got
+                left -= got
+            if time.monotonic() > deadline:
+                break
+    finally:
+        os.close(fd)
     return done
 
 
