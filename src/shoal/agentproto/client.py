@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import signal as _signal
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -643,7 +642,3 @@ class AgentClient:
         """Processes in the sandbox: ``[{"pid","ppid","comm","state"}]``."""
         resp = await self._call("ps")
         return list(resp.get("processes", []))
-
-    async def kill_stream(self, handle: ExecStream, sig: int = _signal.SIGKILL) -> None:
-        """Convenience: send ``sig`` (default SIGKILL) to a streaming exec's process group."""
-        await handle.send_signal(sig)
