@@ -13,7 +13,7 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,6 +117,11 @@ class Node:
 
     async def stop(self) -> None:
         """Stop the reaper and drop agent connections. Sandboxes keep running (crash-only)."""
+        fncall = getattr(self, "_fncall_manager", None)
+        if fncall is not None:
+            # pooled fncall containers serve only this process's pools: they go with it
+            with contextlib.suppress(Exception):
+                await fncall.close()
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -250,9 +255,11 @@ class Node:
         rec.save()
         return self._info(rec)
 
-    async def create_many(self, spec: SandboxSpec, n: int,
-                          concurrency: int | None = None) -> list[SandboxInfo | ShoalError]:
-        """Create `n` sandboxes with bounded parallelism; each item is an info or the error it met."""
+    async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None,
+                          on_done: Callable[[SandboxInfo | ShoalError], None] | None = None,
+                          ) -> list[SandboxInfo | ShoalError]:
+        """Create `n` sandboxes with bounded parallelism; each item is an info or the error it met.
+        `on_done` is called as each one becomes ready (or fails), e.g. to time a burst per sandbox."""
         validate_spec(spec)
         if not 1 <= int(n) <= 100_000:
             raise InvalidRequest(f"n={n} must be between 1 and 100000")
@@ -261,12 +268,16 @@ class Node:
 
         async def one() -> SandboxInfo | ShoalError:
             async with sem:
+                res: SandboxInfo | ShoalError
                 try:
-                    return await self._create(replace(spec), image)
+                    res = await self._create(replace(spec), image)
                 except ShoalError as e:
-                    return e
+                    res = e
                 except Exception as e:
-                    return SandboxError(f"create failed: {e}")
+                    res = SandboxError(f"create failed: {e}")
+            if on_done is not None:
+                on_done(res)
+            return res
 
         return list(await asyncio.gather(*(one() for _ in range(int(n)))))
 
@@ -513,6 +524,14 @@ class Node:
         except ImportError:
             raise BackendUnavailable("the fncall backend is not available in this build") from None
         return await get_pool_manager(self).run_code(code, **kw)
+
+    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        """Run many snippets on the fncall backend; one result per item, in order."""
+        try:
+            from shoal.backends.fncall import get_pool_manager
+        except ImportError:
+            raise BackendUnavailable("the fncall backend is not available in this build") from None
+        return await get_pool_manager(self).run_code_many(items, **kw)
 
     # ---- reaping and crash recovery -----------------------------------------------------------
     async def reconcile(self) -> dict[str, int]:
