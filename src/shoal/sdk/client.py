@@ -126,3 +126,12 @@ class Client:
         """Run a short snippet on the fncall backend (a warm pool; no sandbox to manage)."""
         t = await self._ensure()
         return await t.run_code(code, language=language, **kw)
+
+    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        """Run many snippets concurrently on the fncall backend; one RunCodeResult per item, in order.
+
+        Items are code strings or dicts of run_code arguments; keyword arguments (language, timeout,
+        concurrency ...) apply to every item. A bad item gets a result with status "error", never an exception.
+        """
+        t = await self._ensure()
+        return await t.run_code_many(list(items), **kw)

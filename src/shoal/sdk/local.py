@@ -86,3 +86,6 @@ class LocalTransport(Transport):
 
     async def run_code(self, code: str, **kw: Any) -> Any:
         return await self.node.run_code(code, **kw)
+
+    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        return await self.node.run_code_many(items, **kw)

@@ -202,6 +202,10 @@ class SyncClient:
         """Run a snippet on the fncall backend."""
         return self._loop.run(self._client.run_code(code, language=language, **kw))
 
+    def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        """Run many snippets concurrently on the fncall backend; one result per item."""
+        return self._loop.run(self._client.run_code_many(items, **kw))
+
     def close(self) -> None:
         """Close owned sandboxes and the transport; stop the loop thread."""
         if self._closed:

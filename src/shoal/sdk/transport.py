@@ -104,3 +104,9 @@ class Transport(ABC):
         from shoal.errors import NotImplementedYet
 
         raise NotImplementedYet("run_code is not available on this transport")
+
+    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        """Run many snippets on the fncall backend; one result per item, in order."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("run_code_many is not available on this transport")
