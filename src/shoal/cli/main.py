@@ -214,6 +214,24 @@ def gc() -> None:
     run_async(go)
 
 
+from shoal.cli.stateful import register as _register_stateful  # noqa: E402
+
+_register_stateful(app)
+
+from shoal.cli.server import register as _register_server  # noqa: E402
+
+_register_server(app)
+
+from shoal.cli.fncall import fncall_app  # noqa: E402 - the `fncall` sub-commands live there
+
+app.add_typer(fncall_app, name="fncall")
+
+
+from shoal.cli.bench import bench as _bench  # noqa: E402 - `shoal bench` lives in its own module
+
+app.command("bench")(_bench)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
