@@ -1,0 +1,143 @@
+"""What every scenario gets: an embedded node on a private SHOAL_HOME, the Docker engine (if any),
+the sizes for --quick or full runs, and progress reporting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    import shoal
+    from shoal.bench.docker import DockerEngine
+    from shoal.node.node import Node
+
+T = TypeVar("T")
+
+
+@dataclass
+class Sizes:
+    """How much work each scenario does (full run vs --quick)."""
+
+    create_seq: int = 200
+    create_seq_docker: int = 30
+    sustained_s: float = 10.0
+    sustained_concurrency: tuple[int, ...] = (1, 8, 32)
+    sustained_docker_s: float = 15.0
+    burst: int = 1000
+    burst_docker: int = 1000
+    docker_budget_s: float = 180.0
+    exec_rtt: int = 1000
+    exec_rtt_docker: int = 200
+    exec_sandboxes: int = 100
+    exec_sandboxes_docker: int = 20
+    exec_throughput_s: float = 5.0
+    exec_concurrency: int = 32
+    density_target: int = 5000
+    density_step: int = 250
+    density_docker_target: int = 300
+    density_docker_step: int = 50
+    disk_n: int = 100
+    disk_n_docker: int = 30
+    external_n: int | None = None  # None: the other scenarios' own defaults
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        """About a minute in all (sandbox scenarios; the others' own quick sizes)."""
+        return cls(create_seq=20, create_seq_docker=5, sustained_s=3.0, sustained_concurrency=(16,),
+                   sustained_docker_s=4.0, burst=100, burst_docker=20, docker_budget_s=30.0, exec_rtt=200,
+                   exec_rtt_docker=30, exec_sandboxes=10, exec_sandboxes_docker=5, exec_throughput_s=2.0,
+                   exec_concurrency=16, density_target=200, density_step=100, density_docker_target=20,
+                   density_docker_step=10, disk_n=20, disk_n_docker=5, external_n=10)
+
+
+@dataclass
+class BenchContext:
+    """Shared state of one `shoal bench` run."""
+
+    client: shoal.Client
+    node: Node
+    home: Path
+    quick: bool
+    sizes: Sizes
+    console: Console
+    docker: DockerEngine | None = None
+    #: why there is no Docker engine ("" when there is one)
+    docker_reason: str = ""
+    plot_dir: Path | None = None
+    image: str = "base"
+    progress: Progress | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def docker_status(self) -> str:
+        """'ran' or 'absent: …' for ScenarioResult.docker."""
+        return "ran" if self.docker is not None else f"absent: {self.docker_reason}"
+
+    def log(self, msg: str) -> None:
+        """A line above the progress bars."""
+        self.console.print(f"  [dim]{msg}[/dim]")
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: float | None) -> Iterator[Callable[..., None]]:
+        """A progress bar for one phase; yields `advance(n=1)`."""
+        if self.progress is None:
+            yield lambda n=1: None
+            return
+        tid = self.progress.add_task(description, total=total)
+
+        def advance(n: float = 1) -> None:
+            self.progress.advance(tid, n)
+
+        try:
+            yield advance
+        finally:
+            self.progress.remove_task(tid)
+
+    async def bounded(self, coros: list[Awaitable[T]], limit: int, advance: Callable[..., None] | None = None
+                      ) -> list[T | BaseException]:
+        """Run coroutines with at most `limit` at once; exceptions are returned, not raised."""
+        sem = asyncio.Semaphore(limit)
+
+        async def one(c: Awaitable[T]) -> T | BaseException:
+            async with sem:
+                try:
+                    return await c
+                except Exception as e:
+                    return e
+                finally:
+                    if advance:
+                        advance()
+
+        return list(await asyncio.gather(*(one(c) for c in coros)))
+
+    def figure_path(self, name: str) -> Path | None:
+        """Where a PNG figure goes (None when --plot was not given and no default applies)."""
+        if self.plot_dir is None:
+            return None
+        self.plot_dir.mkdir(parents=True, exist_ok=True)
+        return self.plot_dir / name
+
+
+def make_progress(console: Console) -> Progress:
+    """The progress display used for long phases."""
+    return Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+class Stopwatch:
+    """perf_counter-based timings relative to one start."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since start."""
+        return time.perf_counter() - self.t0

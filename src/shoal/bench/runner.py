@@ -1,0 +1,229 @@
+"""Run benchmark scenarios: set up a private node (and Docker), run, collect, clean up, report.
+
+The node uses a private SHOAL_HOME (never the host's default one: other node agents may be serving
+sandboxes there) and the shared layer store. Its admission cap on promised memory is lifted (the density
+scenario measures the machine, not the policy); the free-memory floor stays on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from shoal.bench import host
+from shoal.bench.context import BenchContext, Sizes, make_progress
+from shoal.bench.registry import DEFAULT_ORDER, load_all
+from shoal.bench.results import ScenarioResult
+from shoal.host.spawn import run_sync
+
+DOCKER_IMPORT_USER = "bench-docker-import"
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to the hard limit (5,000 sandboxes = 5,000+ sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _unknown(names: list[str], known: dict[str, Any]) -> list[str]:
+    return [n for n in names if n not in known]
+
+
+def leaks(home: Path) -> dict[str, list[str]]:
+    """What a run left behind under `home`: sandbox mounts, runtime containers, sandbox cgroups."""
+    from shoal.host import syscalls
+
+    out: dict[str, list[str]] = {}
+    mounts = [m for m in syscalls.mounts_under(str(home / "sandboxes"))]
+    if mounts:
+        out["mounts"] = mounts
+    conts = []
+    for rt in ("crun", "runc"):
+        if shutil.which(rt):
+            r = run_sync([rt, "list"], timeout=30)
+            conts += [line.split()[0] for line in r.stdout.decode(errors="replace").splitlines()[1:]
+                      if str(home) in line]
+    if conts:
+        out["containers"] = conts
+    sbdir = home / "sandboxes"
+    if sbdir.is_dir():
+        left = [e.name for e in os.scandir(sbdir)]
+        if left:
+            out["sandbox_dirs"] = left
+    return out
+
+
+async def _run_one(ctx: BenchContext, name: str) -> ScenarioResult:
+    scen = load_all()[name]
+    t0 = time.monotonic()
+    ctx.console.rule(f"[bold]{name}[/bold] — {scen.title}")
+    try:
+        res = await scen.fn(ctx)
+    except Exception as e:  # one scenario failing must not lose the others' results
+        import traceback
+
+        res = ScenarioResult(name=name, title=scen.title, error=f"{type(e).__name__}: {e}",
+                             docker=ctx.docker_status if scen.uses_docker else "not applicable")
+        res.data["traceback"] = traceback.format_exc()[-4000:]
+        ctx.console.print(f"  [red]failed:[/red] {res.error}")
+    res.title = res.title or scen.title
+    res.seconds = time.monotonic() - t0
+    # every scenario starts from an empty node
+    with contextlib.suppress(Exception):
+        n = await ctx.node.close_all()
+        if n:
+            res.notes.append(f"{n} sandbox(es) were still open after the scenario and were closed")
+    return res
+
+
+def _start_docker(ctx_console: Console, node: Any, image: str) -> tuple[Any, Any, str]:
+    """(engine, its private filesystem, '') or (None, None, why not)."""
+    from shoal.bench.docker import DockerEngine, DockerError, find_dockerd
+
+    path, why = find_dockerd()
+    if not path:
+        return None, None, why
+    # Docker's data root gets its own device, so the disk scenario can count Docker's writes alone
+    fs = host.LoopFs(Path(f"/tmp/sbd-{os.getpid()}"))
+    try:
+        fs.create()
+    except Exception as e:
+        return None, None, f"could not make a private filesystem for Docker's data root: {e}"
+    eng = DockerEngine(fs.mountpoint)
+    try:
+        ctx_console.print(f"  starting a private dockerd ({path}) in {eng.dir} …")
+        eng.start()
+        img = node.store.resolve(image)
+        mps = node.layer_mounts.acquire(img.layers, DOCKER_IMPORT_USER)
+        try:
+            if len(mps) != 1:
+                raise DockerError(f"image {image} has {len(mps)} layers; the Docker import takes one tree")
+            ctx_console.print(f"  importing the same '{image}' tree into Docker …")
+            eng.import_tree(mps[0])
+        finally:
+            node.layer_mounts.release([lay.hex for lay in img.layers], DOCKER_IMPORT_USER)
+        return eng, fs, ""
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            eng.stop()
+        fs.destroy()
+        return None, None, f"dockerd could not be started here: {e}"
+
+
+async def run_bench(names: list[str] | None = None, *, json_path: Path | None = None, plot_dir: Path | None = None,
+                    quick: bool = False, no_docker: bool = False, home: Path | None = None,
+                    markdown: Path | None = None, command: str | None = None,
+                    console: Console | None = None) -> dict[str, Any]:
+    """Run scenarios (all by default) and return the results document; writes JSON/plots/markdown when asked."""
+    import shoal
+    from shoal.config import NodeConfig, Paths
+    from shoal.images.base import ensure_base
+    from shoal.node.node import Node
+    from shoal.sdk.local import LocalTransport
+
+    console = console or Console()
+    registry = load_all()
+    names = names or list(DEFAULT_ORDER)
+    bad = _unknown(names, registry)
+    if bad:
+        raise SystemExit(f"unknown scenario(s): {', '.join(bad)}; known: {', '.join(DEFAULT_ORDER)}")
+    nofile = raise_nofile()
+    busy = await asyncio.to_thread(host.cpu_busy_fraction, 1.0)
+    machine = host.machine_info()
+    machine["cpu_busy_at_start"] = round(busy, 3)
+    if busy > 0.25:
+        console.print(f"[yellow]warning:[/yellow] the machine is {busy:.0%} busy before the run; "
+                      "absolute numbers will be noisy (ratios less so)")
+    own_home = home is None
+    home = Path(home or f"/tmp/shoal-bench-{os.getpid()}")
+    home.mkdir(parents=True, exist_ok=True)
+    paths = Paths.from_env(home, os.environ.get("SHOAL_STORE") or "/var/lib/shoal/store")
+    cfg = NodeConfig(paths=paths, memory_overcommit=1000.0)
+    node = Node(cfg)
+    ensure_base(node.store, log=lambda s: console.print(f"  {s}"))
+    sizes = Sizes.quick() if quick else Sizes()
+    client = shoal.Client(transport=LocalTransport(node=node, reap=True))
+    doc: dict[str, Any] = {"command": command or " ".join(["shoal", "bench", *sys.argv[2:]]),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "quick": quick, "machine": machine,
+                           "limits": host.kernel_limits(), "home": str(home), "store": str(paths.store),
+                           "rlimit_nofile": list(nofile), "scenarios": {}}
+    docker = None
+    docker_fs = None
+    docker_reason = "disabled with --no-docker" if no_docker else ""
+    wants_docker = not no_docker and any(registry[n].uses_docker for n in names)
+    try:
+        await client.__aenter__()
+        if wants_docker:
+            docker, docker_fs, docker_reason = await asyncio.to_thread(_start_docker, console, node, "base")
+            if docker is None:
+                console.print(f"[yellow]Docker is absent:[/yellow] {docker_reason} — shoal-only figures")
+            else:
+                doc["docker"] = docker.info()
+        ctx = BenchContext(client=client, node=node, home=home, quick=quick, sizes=sizes, console=console,
+                           docker=docker, docker_reason=docker_reason, plot_dir=plot_dir)
+        ctx.extra["docker_fs"] = docker_fs
+        with make_progress(console) as progress:
+            ctx.progress = progress
+            for name in names:
+                res = await _run_one(ctx, name)
+                doc["scenarios"][name] = res.to_dict()
+                from shoal.bench.report import print_scenario
+
+                print_scenario(console, res)
+                if json_path:  # partial results survive an interrupted run
+                    _write_json(json_path, doc)
+    finally:
+        if docker is not None:
+            with contextlib.suppress(Exception):
+                await docker.aclose_client()
+            console.print("  stopping the private dockerd and removing its data …")
+            await asyncio.to_thread(docker.stop)
+        if docker_fs is not None:
+            await asyncio.to_thread(docker_fs.destroy)
+        with contextlib.suppress(Exception):
+            await node.close_all()
+        with contextlib.suppress(Exception):
+            await client.aclose()
+        doc["leaks"] = leaks(home)
+        _teardown_home(node, home, own_home and not doc["leaks"])
+    doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    if json_path:
+        _write_json(json_path, doc)
+    if markdown:
+        from shoal.bench.report import write_markdown
+
+        write_markdown(markdown, doc)
+    return doc
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _teardown_home(node: Any, home: Path, remove: bool) -> None:
+    from shoal.node.disk import UpperPool
+
+    with contextlib.suppress(Exception):
+        node.layer_mounts.reconcile(set())
+    with contextlib.suppress(Exception):
+        UpperPool(node.paths).teardown()
+    if remove:
+        from shoal.host import syscalls
+
+        if not syscalls.mounts_under(str(home)):
+            shutil.rmtree(home, ignore_errors=True)

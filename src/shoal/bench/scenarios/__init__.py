@@ -1,0 +1,1 @@
+"""The benchmark scenarios. Each module registers its scenarios with `shoal.bench.registry.scenario`."""

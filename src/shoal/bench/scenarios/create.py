@@ -1,0 +1,225 @@
+"""`create`: sequential create-to-ready latency, sustained creates/s with concurrency, a 1,000-sandbox burst.
+
+"Ready" for shoal: the sandbox's agent answered `hello` (commands can run). For Docker: the Engine API's
+`start` returned (the container's process runs) — Docker's most favourable reading.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shoal.bench import plots
+from shoal.bench.context import BenchContext
+from shoal.bench.registry import scenario
+from shoal.bench.results import Metric, ScenarioResult, at_least, at_most
+from shoal.bench.scenarios.common import (
+    Timed,
+    close_all,
+    closed_loop,
+    create_one,
+    docker_create_one,
+    docker_remove_all,
+    first_errors,
+    spec,
+)
+from shoal.bench.stats import latency_summary, rate_timeline
+from shoal.errors import ShoalError
+
+
+async def sequential(ctx: BenchContext, n: int) -> Timed:
+    """`n` creates one after the other (all kept alive until the end, then closed)."""
+    out = Timed()
+    with ctx.task(f"shoal: {n} sequential creates", n) as adv:
+        for _ in range(n):
+            t = time.perf_counter()
+            try:
+                info = await create_one(ctx)
+            except ShoalError as e:
+                out.errors.append(str(e)[:300])
+                adv()
+                continue
+            out.latencies.append(time.perf_counter() - t)
+            out.items.append(info.id)
+            adv()
+    await close_all(ctx, out.items)
+    return out
+
+
+async def docker_sequential(ctx: BenchContext, n: int) -> Timed:
+    """`n` Docker create+start one after the other, then removed."""
+    out = Timed()
+    t0 = time.perf_counter()
+    with ctx.task(f"Docker: {n} sequential runs", n) as adv:
+        for _ in range(n):
+            if time.perf_counter() - t0 > ctx.sizes.docker_budget_s:
+                break
+            t = time.perf_counter()
+            try:
+                cid = await docker_create_one(ctx)
+            except Exception as e:
+                out.errors.append(str(e)[:300])
+                adv()
+                continue
+            out.latencies.append(time.perf_counter() - t)
+            out.items.append(cid)
+            adv()
+    await docker_remove_all(ctx, out.items)
+    return out
+
+
+async def sustained(ctx: BenchContext, concurrency: int, duration: float) -> tuple[Timed, float]:
+    """Creates back to back by `concurrency` workers for `duration` s; then close them (timed)."""
+    with ctx.task(f"shoal: sustained creates, {concurrency} at a time, {duration:.0f}s", None) as adv:
+        t = await closed_loop(lambda: create_one(ctx), concurrency, duration, adv)
+    ids = [i.id for i in t.items]
+    close_s = await close_all(ctx, ids, f"closing {len(ids)} sandboxes")
+    return t, close_s
+
+
+async def docker_sustained(ctx: BenchContext, concurrency: int, duration: float) -> tuple[Timed, float]:
+    """The same closed loop with Docker create+start."""
+    with ctx.task(f"Docker: sustained runs, {concurrency} at a time, {duration:.0f}s", None) as adv:
+        t = await closed_loop(lambda: docker_create_one(ctx), concurrency, duration, adv)
+    rm_s = await docker_remove_all(ctx, t.items)
+    return t, rm_s
+
+
+async def burst(ctx: BenchContext, n: int) -> dict[str, Any]:
+    """`create_many(n)`: per-sandbox ready time since the burst started, and when all were ready."""
+    done_at: list[float] = []
+    errors: list[str] = []
+    with ctx.task(f"shoal: burst of {n} (create_many)", n) as adv:
+        t0 = time.perf_counter()
+
+        def on_done(res: Any) -> None:
+            if isinstance(res, ShoalError):
+                errors.append(str(res)[:300])
+            else:
+                done_at.append(time.perf_counter() - t0)
+            adv()
+
+        items = await ctx.node.create_many(spec(ctx), n, on_done=on_done)
+        all_s = time.perf_counter() - t0
+    ids = [i.id for i in items if not isinstance(i, ShoalError)]
+    close_s = await close_all(ctx, ids, f"closing {len(ids)} sandboxes")
+    return {"n": n, "ok": len(ids), "errors": len(errors), "error_samples": first_errors(errors),
+            "all_ready_s": round(all_s, 3), "ready_since_start": latency_summary(done_at),
+            "rate_per_s": round(len(ids) / all_s, 1) if all_s else None,
+            "timeline": rate_timeline(done_at, 0.1 if all_s < 30 else 1.0), "close_all_s": round(close_s, 2),
+            "_done_at": done_at}
+
+
+async def docker_burst(ctx: BenchContext, n: int) -> dict[str, Any]:
+    """`n` Docker runs at once (the same parallelism as create_many), within the Docker time budget."""
+    conc = ctx.node.config.create_concurrency
+    budget = ctx.sizes.docker_budget_s
+    with ctx.task(f"Docker: burst of {n} ({conc} at a time, ≤{budget:.0f}s)", n) as adv:
+        t = await closed_loop(lambda: docker_create_one(ctx), conc, budget, adv, max_items=n)
+    rm_s = await docker_remove_all(ctx, t.items)
+    ok = len(t.items)
+    last = max(t.done_at) if t.done_at else None
+    return {"n": n, "ok": ok, "errors": len(t.errors), "error_samples": first_errors(t.errors),
+            "all_ready_s": round(last, 3) if ok == n and last else None,
+            "finished_within_budget": ok == n, "budget_s": budget, "ready_since_start": latency_summary(t.done_at),
+            "rate_per_s": round(ok / last, 1) if last else None,
+            "timeline": rate_timeline(t.done_at, 0.1 if (last or 0) < 30 else 1.0), "remove_all_s": round(rm_s, 2),
+            "_done_at": t.done_at}
+
+
+@scenario("create", "create-to-ready latency, sustained creates/s, 1,000-sandbox burst")
+async def run(ctx: BenchContext) -> ScenarioResult:
+    """The create scenario (see the module docstring)."""
+    sz = ctx.sizes
+    res = ScenarioResult("create", docker=ctx.docker_status)
+    d = res.data
+    # warm-up: first use mounts the image's layers and the upper pool; not part of any figure
+    await close_all(ctx, [(await create_one(ctx)).id], "warm-up")
+
+    seq = await sequential(ctx, sz.create_seq)
+    d["sequential"] = {"shoal": latency_summary(seq.latencies), "errors": first_errors(seq.errors)}
+    dseq = None
+    if ctx.docker:
+        await docker_remove_all(ctx, [await docker_create_one(ctx)], "Docker warm-up")
+        dseq = await docker_sequential(ctx, sz.create_seq_docker)
+        d["sequential"]["docker"] = latency_summary(dseq.latencies)
+    s50 = d["sequential"]["shoal"].get("p50_ms")
+    dd = d["sequential"].get("docker", {})
+    res.add(Metric("create-to-ready p50 (sequential)", s50, dd.get("p50_ms"), "ms", target="≤ 15 ms",
+                   met=at_most(s50, 15)),
+            Metric("create-to-ready p99 (sequential)", d["sequential"]["shoal"].get("p99_ms"), dd.get("p99_ms"), "ms"))
+
+    # sustained rate at each concurrency; the best one is the node's sustained rate
+    d["sustained"] = []
+    best = (0.0, 0)
+    for c in sz.sustained_concurrency:
+        t, close_s = await sustained(ctx, c, sz.sustained_s)
+        row = {"concurrency": c, "seconds": sz.sustained_s, "created": len(t.items), "rate_per_s": round(t.rate(), 1),
+               "latency": latency_summary(t.latencies), "errors": len(t.errors),
+               "error_samples": first_errors(t.errors), "close_rate_per_s": round(len(t.items) / close_s, 1)
+               if close_s else None}
+        d["sustained"].append(row)
+        if t.rate() > best[0]:
+            best = (t.rate(), c)
+    dbest = (0.0, 0)
+    if ctx.docker:
+        d["sustained_docker"] = []
+        for c in sorted({min(c, 16) for c in sz.sustained_concurrency}):
+            t, rm_s = await docker_sustained(ctx, c, sz.sustained_docker_s)
+            d["sustained_docker"].append({"concurrency": c, "seconds": sz.sustained_docker_s, "created": len(t.items),
+                                          "rate_per_s": round(t.rate(), 2), "latency": latency_summary(t.latencies),
+                                          "errors": len(t.errors), "error_samples": first_errors(t.errors),
+                                          "remove_rate_per_s": round(len(t.items) / rm_s, 2) if rm_s else None})
+            if t.rate() > dbest[0]:
+                dbest = (t.rate(), c)
+    res.add(Metric(f"sustained creates/s (best of concurrency {list(sz.sustained_concurrency)})", round(best[0], 1),
+                   round(dbest[0], 2) if ctx.docker else None, "/s", better="higher", target="≥ 150/s",
+                   met=at_least(best[0], 150), note=f"shoal at {best[1]}, Docker at {dbest[1]}"))
+    if ctx.docker and dbest[0]:
+        x = best[0] / dbest[0]
+        res.add(Metric("create rate ÷ Docker's (same run)", round(x, 1), 1.0, "×", better="higher",
+                       target="≥ 20×", met=at_least(x, 20)))
+
+    b = await burst(ctx, sz.burst)
+    done_shoal = b.pop("_done_at")
+    d["burst"] = b
+    db = None
+    done_docker: list[float] = []
+    if ctx.docker:
+        db = await docker_burst(ctx, sz.burst_docker)
+        done_docker = db.pop("_done_at")
+        d["burst_docker"] = db
+    res.add(Metric(f"burst of {b['n']}: all ready", b["all_ready_s"], db["all_ready_s"] if db else None, "s",
+                   target="≤ 8 s" if b["n"] >= 1000 else "",
+                   met=at_most(b["all_ready_s"], 8) if b["n"] >= 1000 else None,
+                   note="" if not db or db["finished_within_budget"] else
+                   f"Docker: {db['ok']} of {db['n']} in its {db['budget_s']:.0f}s budget"),
+            Metric(f"burst of {b['n']}: ready p50 (since burst start)", b["ready_since_start"].get("p50_ms"),
+                   db["ready_since_start"].get("p50_ms") if db else None, "ms"),
+            Metric(f"burst of {b['n']}: ready p99 (since burst start)", b["ready_since_start"].get("p99_ms"),
+                   db["ready_since_start"].get("p99_ms") if db else None, "ms"),
+            Metric(f"burst of {b['n']}: sandboxes/s", b["rate_per_s"], db["rate_per_s"] if db else None, "/s",
+                   better="higher"))
+    if b["errors"]:
+        res.notes.append(f"burst: {b['errors']} creates failed: {b['error_samples']}")
+    if db and db["n"] != b["n"]:
+        res.notes.append(f"the Docker burst had {db['n']} containers (--quick), shoal's {b['n']}")
+
+    if ctx.plot_dir:
+        series = {"shoal": seq.latencies and [x * 1000 for x in seq.latencies]}
+        if dseq:
+            series["Docker"] = [x * 1000 for x in dseq.latencies]
+        res.figures.append(plots.latency_cdf(ctx.figure_path("create_latency_cdf.png"), series,
+                                             "create-to-ready, sequential (shoal: agent answers; Docker: started)"))
+        tl = {"shoal": (b["timeline"]["t_s"], b["timeline"]["per_s"], b["timeline"]["cumulative"])}
+        if db:
+            tl["Docker"] = (db["timeline"]["t_s"], db["timeline"]["per_s"], db["timeline"]["cumulative"])
+        res.figures.append(plots.rate_over_time(ctx.figure_path("create_burst_rate.png"), tl,
+                                                f"burst: create_many({b['n']}) vs Docker at the same parallelism"))
+        bs = {"shoal burst": [x * 1000 for x in done_shoal]}
+        if done_docker:
+            bs["Docker burst"] = [x * 1000 for x in done_docker]
+        res.figures.append(plots.latency_cdf(ctx.figure_path("create_burst_cdf.png"), bs,
+                                             "burst: time from burst start until each sandbox is ready",
+                                             "ms since the burst started"))
+    return res

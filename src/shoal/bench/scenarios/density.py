@@ -1,0 +1,208 @@
+"""`density`: how many idle sandboxes stay alive on this machine, and the host memory each one costs.
+
+Memory is measured on the host, not as RSS: `used` = MemTotal − MemFree − Buffers − Cached − SReclaimable
+(so page cache does not count, but every kernel object does: slab for mounts, namespaces, cgroups,
+sockets; kernel stacks; page tables; per-CPU data), plus the node agent's own memory for its
+connections. The per-sandbox figure is the slope of a least-squares line through (count, used) after
+each batch, which is robust to a one-off change elsewhere on the host; the plain delta ÷ count is
+reported beside it. The same is done for Docker containers (`sleep infinity`), whose figure includes
+dockerd, containerd and one containerd-shim per container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.bench import host, plots
+from shoal.bench.context import BenchContext
+from shoal.bench.docker import process_tree_rss
+from shoal.bench.registry import scenario
+from shoal.bench.results import Metric, ScenarioResult, at_least, at_most
+from shoal.bench.scenarios.common import close_all, docker_create_one, docker_remove_all, first_errors, spec
+from shoal.bench.stats import latency_summary, linear_slope
+from shoal.errors import ShoalError
+
+MIB = 2**20
+#: stop adding sandboxes when the host has less memory available than this
+FLOOR_BYTES = 2 * 2**30
+
+
+def _self_rss() -> int:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+async def _settle(seconds: float = 1.0) -> dict[str, int]:
+    gc.collect()
+    await asyncio.sleep(seconds)
+    return host.memory_snapshot()
+
+
+def _point(n: int, base: dict[str, int], now: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
+    p = {"n": n, "used_mib": round((now["used"] - base["used"]) / MIB, 1),
+         "available_drop_mib": round((base["available"] - now["available"]) / MIB, 1)}
+    for k in ("slab", "slab_unreclaimable", "kernel_stack", "page_tables", "percpu", "anon"):
+        p[f"{k}_mib"] = round((now[k] - base[k]) / MIB, 2)
+    p.update(extra)
+    return p
+
+
+def _per_item(points: list[dict[str, Any]], key: str) -> float | None:
+    xs = [p["n"] for p in points]
+    ys = [p[key] for p in points]
+    if len(xs) >= 2:
+        s = linear_slope([0, *xs], [0.0, *ys])
+        return s if s == s else None  # NaN check
+    if xs and xs[0]:
+        return ys[0] / xs[0]
+    return None
+
+
+async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, Any]:
+    """Add idle sandboxes in batches until `target` (or a limit) and measure host memory after each batch."""
+    node = ctx.node
+    base = await _settle(2.0)
+    base_cg = host.cgroup_memory_bytes("shoal") or 0
+    base_rss = _self_rss()
+    ids: list[str] = []
+    points: list[dict[str, Any]] = []
+    errors: list[str] = []
+    stop_reason = f"reached the target of {target}"
+    t0 = time.perf_counter()
+    with ctx.task(f"shoal: up to {target} idle sandboxes", target) as adv:
+        while len(ids) < target:
+            k = min(step, target - len(ids))
+            items = await node.create_many(spec(ctx), k, on_done=lambda _r: adv())
+            ok = [i.id for i in items if not isinstance(i, ShoalError)]
+            bad = [str(i)[:300] for i in items if isinstance(i, ShoalError)]
+            ids += ok
+            errors += bad
+            now = await _settle(1.0)
+            cg = host.cgroup_memory_bytes("shoal")
+            points.append(_point(len(ids), base, now, {
+                "cgroup_charged_mib": round(((cg or 0) - base_cg) / MIB, 1) if cg is not None else None,
+                "node_rss_mib": round((_self_rss() - base_rss) / MIB, 1),
+                "elapsed_s": round(time.perf_counter() - t0, 1)}))
+            ctx.log(f"{len(ids)} sandboxes: host used +{points[-1]['used_mib']} MiB "
+                    f"({points[-1]['used_mib'] * 1024 / max(1, len(ids)):.0f} KiB each)")
+            if bad and not ok:
+                stop_reason = f"creates started failing: {bad[0]}"
+                break
+            if now["available"] < FLOOR_BYTES:
+                stop_reason = f"host memory available fell below {FLOOR_BYTES // MIB} MiB"
+                break
+    # are they all still alive, and do they answer?
+    await asyncio.sleep(2.0)
+    backend = node.backend("container")
+    alive = sum(1 for i in ids if backend.alive(node.record(i)))
+    sample = random.sample(ids, min(50, len(ids)))
+    lat: list[float] = []
+    for sid in sample:
+        t = time.perf_counter()
+        with contextlib.suppress(ShoalError):
+            r = await node.exec(sid, ["true"], timeout=30)
+            if r.exit_code == 0:
+                lat.append(time.perf_counter() - t)
+    final = await _settle(1.0)
+    fds = len(list(Path("/proc/self/fd").iterdir()))
+    close_s = await close_all(ctx, ids, f"closing {len(ids)} sandboxes")
+    after = await _settle(3.0)
+    return {"target": target, "created": len(ids), "alive_after_settle": alive, "stop_reason": stop_reason,
+            "errors": len(errors), "error_samples": first_errors(errors), "points": points,
+            "exec_sample": {"n": len(sample), "answered": len(lat), "latency": latency_summary(lat)},
+            "per_sandbox_kib_slope": _kib(_per_item(points, "used_mib")),
+            "per_sandbox_kib_delta": round((final["used"] - base["used"]) / 1024 / max(1, len(ids)), 1),
+            "per_sandbox_kib_available_slope": _kib(_per_item(points, "available_drop_mib")),
+            "breakdown_kib_per_sandbox": {k: _kib(_per_item(points, k)) for k in
+                                          ("slab_mib", "slab_unreclaimable_mib", "kernel_stack_mib", "page_tables_mib",
+                                           "percpu_mib", "anon_mib", "cgroup_charged_mib", "node_rss_mib")
+                                          if all(p.get(k) is not None for p in points)},
+            "node_fds_at_peak": fds, "close_all_s": round(close_s, 1),
+            "close_rate_per_s": round(len(ids) / close_s, 1) if close_s else None,
+            "used_after_close_mib": round((after["used"] - base["used"]) / MIB, 1)}
+
+
+def _kib(mib_per_item: float | None) -> float | None:
+    return round(mib_per_item * 1024, 1) if mib_per_item is not None else None
+
+
+async def docker_density(ctx: BenchContext, target: int, step: int) -> dict[str, Any]:
+    """The same with Docker containers running `sleep infinity`, within the Docker time budget."""
+    assert ctx.docker is not None
+    base = await _settle(2.0)
+    cids: list[str] = []
+    points: list[dict[str, Any]] = []
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    budget = max(ctx.sizes.docker_budget_s, 60.0)
+    stop_reason = f"reached the target of {target}"
+    with ctx.task(f"Docker: up to {target} idle containers (≤{budget:.0f}s)", target) as adv:
+        while len(cids) < target:
+            if time.perf_counter() - t0 > budget:
+                stop_reason = f"time budget of {budget:.0f}s used up"
+                break
+            k = min(step, target - len(cids))
+            got = await ctx.bounded([docker_create_one(ctx) for _ in range(k)], 16, adv)
+            cids += [c for c in got if isinstance(c, str)]
+            errors += [str(c)[:300] for c in got if not isinstance(c, str)]
+            now = await _settle(1.0)
+            points.append(_point(len(cids), base, now, {
+                "docker_processes_pss_mib": round(process_tree_rss(ctx.docker.daemon_pids()) / MIB, 1)}))
+            if now["available"] < FLOOR_BYTES:
+                stop_reason = f"host memory available fell below {FLOOR_BYTES // MIB} MiB"
+                break
+    final = await _settle(1.0)
+    shims = len(ctx.docker.shim_pids())
+    rm_s = await docker_remove_all(ctx, cids)
+    return {"target": target, "created": len(cids), "stop_reason": stop_reason, "errors": len(errors),
+            "error_samples": first_errors(errors), "points": points, "shim_processes": shims,
+            "per_container_kib_slope": _kib(_per_item(points, "used_mib")),
+            "per_container_kib_delta": round((final["used"] - base["used"]) / 1024 / max(1, len(cids)), 1),
+            "remove_all_s": round(rm_s, 1)}
+
+
+@scenario("density", "idle sandboxes alive at once, and the host memory each costs")
+async def run(ctx: BenchContext) -> ScenarioResult:
+    """The density scenario (see the module docstring)."""
+    sz = ctx.sizes
+    res = ScenarioResult("density", docker=ctx.docker_status)
+    res.data["limits"] = host.kernel_limits()
+    s = await shoal_density(ctx, sz.density_target, sz.density_step)
+    res.data["shoal"] = s
+    dk: dict[str, Any] = {}
+    if ctx.docker:
+        dk = await docker_density(ctx, sz.density_docker_target, sz.density_docker_step)
+        res.data["docker"] = dk
+    per = s["per_sandbox_kib_slope"]
+    per_mib = per / 1024 if per is not None else None
+    dper = dk.get("per_container_kib_slope")
+    res.add(Metric("idle sandboxes alive at once", s["alive_after_settle"], dk.get("created") if dk else None, "",
+                   better="higher", target=f"≥ {5000 if sz.density_target >= 5000 else sz.density_target}",
+                   met=at_least(s["alive_after_settle"], 5000 if sz.density_target >= 5000 else sz.density_target),
+                   note=f"shoal: {s['stop_reason']}" + (f"; Docker: {dk['stop_reason']}" if dk else "")),
+            Metric("host memory per idle sandbox (slope)", per_mib, dper / 1024 if dper is not None else None, "MiB",
+                   target="≤ 1 MiB", met=at_most(per_mib, 1.0)),
+            Metric("host memory per idle sandbox (delta ÷ count)", s["per_sandbox_kib_delta"] / 1024,
+                   dk["per_container_kib_delta"] / 1024 if dk else None, "MiB"),
+            Metric(f"exec p50 with {s['created']} sandboxes alive", s["exec_sample"]["latency"].get("p50_ms"), None,
+                   "ms"))
+    res.notes.append("per-sandbox breakdown (KiB, slopes): " + ", ".join(
+        f"{k.removesuffix('_mib')} {v}" for k, v in s["breakdown_kib_per_sandbox"].items()))
+    if dk and dk["created"] < sz.density_docker_target:
+        res.notes.append(f"Docker stopped at {dk['created']} containers: {dk['stop_reason']}")
+    if ctx.plot_dir:
+        series = {"shoal": ([p["n"] for p in s["points"]], [p["used_mib"] for p in s["points"]])}
+        if dk:
+            series["Docker"] = ([p["n"] for p in dk["points"]], [p["used_mib"] for p in dk["points"]])
+        res.figures.append(plots.memory_vs_count(ctx.figure_path("density_memory.png"), series,
+                                                 "host memory used vs idle sandboxes (page cache excluded)"))
+    return res
