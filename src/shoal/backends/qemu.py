@@ -1,0 +1,336 @@
+"""QEMU as a VMM: the command line of a sandbox VM, launching it detached, and a small QMP client.
+
+A VM's QEMU is started with `-daemonize`, so it is nobody's child: a node agent that dies leaves its VMs
+running, and the next one finds them by the pid in the record and reaches them again through the Unix
+sockets in the sandbox directory (crash-only, like containers):
+
+    $SANDBOX_DIR/agent.sock    virtio-serial port `shoal.agent` (the in-sandbox agent, one byte stream)
+    $SANDBOX_DIR/qmp.sock      QMP (stop/cont, balloon, migration to a file)
+    $SANDBOX_DIR/console.log   the guest's serial console (kernel and init messages; shown when boot fails)
+    $SANDBOX_DIR/qemu.pid      QEMU's pid
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import BackendUnavailable, SandboxError, Timeout
+from shoal.node.records import proc_starttime
+
+QEMU_BIN = "qemu-system-x86_64"
+_SUN_PATH_MAX = 107
+
+
+def find_qemu() -> str:
+    """The QEMU binary (SHOAL_QEMU or qemu-system-x86_64 on PATH); BackendUnavailable when missing."""
+    q = os.environ.get("SHOAL_QEMU") or shutil.which(QEMU_BIN)
+    if not q or not os.access(q, os.X_OK):
+        raise BackendUnavailable(
+            "QEMU is not installed, so the microvm and vm backends cannot run: apt-get install qemu-system-x86 "
+            "qemu-utils (scripts/setup.sh does it), or set SHOAL_QEMU to a qemu-system-x86_64 binary")
+    return q
+
+
+def host_tsc_khz() -> int | None:
+    """The host's TSC frequency: under TCG the guest reads the host's TSC, and with no PIT calibration on
+    the microvm machine the kernel must be told the rate (tsc_early_khz)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass
+class Drive:
+    """One virtio-blk disk."""
+
+    id: str
+    path: str
+    format: str = "raw"
+    readonly: bool = False
+    serial: str = ""
+
+
+@dataclass
+class MachineConfig:
+    """Everything that determines a VM's device model. Stored in the sandbox record; a memory snapshot
+    can only be restored into a QEMU started from the same config (with other file paths)."""
+
+    machine: str  # "microvm" | "q35"
+    accel: str  # "kvm" | "tcg"
+    cpus: int
+    memory_mb: int
+    kernel: str
+    initrd: str | None
+    cmdline: str
+    drives: list[Drive] = field(default_factory=list)
+    network: bool = False
+    balloon: bool = True
+    tb_mb: int = 0  # TCG translation cache (0 = QEMU's default)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for the record."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MachineConfig:
+        """Inverse of to_dict."""
+        d = dict(d)
+        d["drives"] = [Drive(**x) for x in d.get("drives", [])]
+        return cls(**d)
+
+
+def sandbox_files(d: Path) -> dict[str, Path]:
+    """The per-VM files in a sandbox directory."""
+    return {"agent": d / "agent.sock", "qmp": d / "qmp.sock", "console": d / "console.log", "pid": d / "qemu.pid"}
+
+
+def check_socket_paths(d: Path) -> None:
+    """Unix socket paths are limited to 107 bytes: fail early with the fix."""
+    from shoal.errors import InvalidRequest
+
+    p = sandbox_files(d)["agent"]
+    if len(str(p)) > _SUN_PATH_MAX:
+        raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({p}); use a shorter one")
+
+
+def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False) -> list[str]:
+    """The full QEMU command line of one sandbox VM (detached; sockets and console in `d`)."""
+    f = sandbox_files(d)
+    mmio = cfg.machine == "microvm"
+    dev = (lambda name: f"{name}-device") if mmio else (lambda name: f"{name}-pci")
+    # microvm: ACPI describes the virtio-mmio devices (Debian's kernel ignores them on the command line);
+    # rtc on for a wall clock; no option ROMs, no PCI
+    machine = "microvm,x-option-roms=off,rtc=on,isa-serial=on,acpi=on,pcie=off" if mmio else "q35"
+    accel = "kvm" if cfg.accel == "kvm" else ("tcg" + (f",tb-size={cfg.tb_mb}" if cfg.tb_mb else ""))
+    argv = [
+        qemu, "-name", f"shoal-{d.name}", "-M", machine, "-accel", accel,
+        "-cpu", "host" if cfg.accel == "kvm" else "max", "-smp", str(cfg.cpus), "-m", f"{cfg.memory_mb}M",
+        "-nodefaults", "-no-user-config", "-display", "none", "-vga", "none", "-no-reboot",
+        "-kernel", cfg.kernel, "-append", cfg.cmdline,
+        "-chardev", f"file,id=console,path={f['console']}", "-serial", "chardev:console",
+        "-chardev", f"socket,id=agent,path={f['agent']},server=on,wait=off",
+        "-device", dev("virtio-serial"), "-device", "virtserialport,chardev=agent,name=shoal.agent",
+        "-qmp", f"unix:{f['qmp']},server=on,wait=off",
+        "-pidfile", str(f["pid"]), "-daemonize",
+    ]
+    if cfg.initrd:
+        argv += ["-initrd", cfg.initrd]
+    for drv in cfg.drives:
+        opts = f"if=none,id={drv.id},file={drv.path},format={drv.format},cache=writeback,aio=threads"
+        if drv.readonly:
+            opts += ",readonly=on"
+        else:
+            opts += ",discard=unmap"
+        argv += ["-drive", opts, "-device", f"{dev('virtio-blk')},drive={drv.id}" +
+                 (f",serial={drv.serial}" if drv.serial else "")]
+    if cfg.balloon:
+        # free page reporting hands pages the guest frees back to the host while it runs; the balloon
+        # itself is inflated on pause; deflate-on-oom lets a guest under pressure take memory back
+        argv += ["-device", f"{dev('virtio-balloon')},id=balloon0,free-page-reporting=on,deflate-on-oom=on"]
+    if cfg.network:
+        argv += ["-netdev", "user,id=net0", "-device", f"{dev('virtio-net')},netdev=net0"]
+    if incoming:
+        argv += ["-incoming", "defer", "-S"]
+    return argv
+
+
+def console_tail(d: Path, nbytes: int = 3000) -> str:
+    """The last lines of the guest's serial console, cleaned for an error message."""
+    p = sandbox_files(d)["console"]
+    try:
+        with open(p, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - nbytes))
+            data = fh.read()
+    except OSError:
+        return "(no console output)"
+    text = data.decode(errors="replace").replace("\r", "")
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if size > nbytes and lines:
+        lines = lines[1:]  # the first one is probably cut
+    return "\n".join(lines[-25:]) or "(no console output)"
+
+
+def console_fatal(d: Path) -> str | None:
+    """The guest init's FATAL line, or a kernel panic line, if the console has one."""
+    p = sandbox_files(d)["console"]
+    try:
+        data = p.read_bytes()[-20000:].decode(errors="replace")
+    except OSError:
+        return None
+    for pat in (r"shoal-init: FATAL: [^\r\n]*", r"Kernel panic - [^\r\n]*"):
+        m = re.search(pat, data)
+        if m:
+            return m.group(0)
+    return None
+
+
+async def launch(argv: list[str], d: Path, timeout: float = 60.0) -> tuple[int, int]:
+    """Start QEMU detached; returns (pid, starttime) once it has initialized (or raises with its stderr)."""
+    from shoal.host.spawn import run
+
+    r = await run(argv, timeout=timeout)
+    if r.returncode != 0:
+        msg = (r.stderr or r.stdout).decode(errors="replace").strip()
+        raise SandboxError(f"QEMU could not start the VM: {msg[-1500:] or f'exit {r.returncode}'}")
+    try:
+        pid = int(sandbox_files(d)["pid"].read_text().strip())
+    except (OSError, ValueError) as e:
+        raise SandboxError(f"QEMU started but wrote no pid file: {e}") from e
+    start = proc_starttime(pid)
+    if start is None:
+        raise SandboxError(f"QEMU exited right after starting: {console_tail(d)}")
+    return pid, start
+
+
+def qemu_pid_for(d: Path) -> int | None:
+    """The pid of a live QEMU whose pid file is in `d` and whose command line names `d` (crash leftovers)."""
+    try:
+        pid = int(sandbox_files(d)["pid"].read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if str(d).encode() in cmdline else None
+
+
+async def kill_and_wait(pid: int, start: int | None, timeout: float = 10.0) -> bool:
+    """SIGKILL a QEMU and wait until it is gone (it is not our child: poll /proc). True when gone."""
+    if start is None:
+        start = proc_starttime(pid)
+        if start is None:
+            return True
+    if proc_starttime(pid) != start:
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc_starttime(pid) != start:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+# ---- QMP -----------------------------------------------------------------------------------------
+class QmpError(SandboxError):
+    """QEMU answered a QMP command with an error."""
+
+
+class Qmp:
+    """A QMP connection (one command at a time). QEMU serves one client per socket: keep it short."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.events: list[dict[str, Any]] = []
+
+    @classmethod
+    async def connect(cls, path: Path, timeout: float = 10.0) -> Qmp:
+        """Connect, read the greeting and enter command mode."""
+        try:
+            r, w = await asyncio.wait_for(asyncio.open_unix_connection(str(path), limit=1 << 22), timeout)
+        except (OSError, TimeoutError) as e:
+            raise SandboxError(f"cannot reach QEMU's monitor at {path}: {e or 'timeout'}") from e
+        q = cls(r, w)
+        try:
+            await asyncio.wait_for(q._read(), timeout)  # greeting
+            await q.execute("qmp_capabilities", timeout=timeout)
+        except BaseException:
+            await q.close()
+            raise
+        return q
+
+    async def _read(self) -> dict[str, Any]:
+        line = await self.reader.readline()
+        if not line:
+            raise SandboxError("QEMU closed its monitor connection (did the VM exit?)")
+        return json.loads(line)
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
+        """Run one QMP command; returns its `return` value or raises QmpError."""
+        msg: dict[str, Any] = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        self.writer.write(json.dumps(msg).encode() + b"\r\n")
+        await self.writer.drain()
+
+        async def answer() -> Any:
+            while True:
+                m = await self._read()
+                if "event" in m:
+                    self.events.append(m)
+                    continue
+                if "error" in m:
+                    err = m["error"]
+                    raise QmpError(f"QEMU refused {command}: {err.get('desc', err)}")
+                return m.get("return")
+
+        try:
+            return await asyncio.wait_for(answer(), timeout)
+        except TimeoutError as e:
+            raise Timeout(f"QEMU did not answer {command} within {timeout}s") from e
+
+    async def close(self) -> None:
+        """Close the connection."""
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def qmp(d: Path, timeout: float = 10.0) -> AsyncIterator[Qmp]:
+    """`async with qmp(sandbox_dir) as q: await q.execute(...)`."""
+    q = await Qmp.connect(sandbox_files(d)["qmp"], timeout)
+    try:
+        yield q
+    finally:
+        await q.close()
+
+
+async def wait_migration(q: Qmp, timeout: float, what: str) -> dict[str, Any]:
+    """Poll query-migrate until the migration completed; raise on failure or timeout."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        info = await q.execute("query-migrate") or {}
+        status = info.get("status")
+        if status == "completed":
+            return info
+        if status in ("failed", "cancelled"):
+            raise SandboxError(f"{what} failed: {info.get('error-desc', status)}")
+        if time.monotonic() > deadline:
+            with contextlib.suppress(Exception):
+                await q.execute("migrate_cancel")
+            raise Timeout(f"{what} did not finish within {timeout:.0f}s (status {status})")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+async def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> bool:
+    """Poll an async or sync predicate until true or timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if asyncio.iscoroutine(v):
+            v = await v
+        if v:
+            return True
+        await asyncio.sleep(interval)
+    return False
