@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +194,28 @@ async def test_memsw_limit_allows_swap_when_swap_is_on(client: shoal.Client, zra
     r = await sb.exec("python3 -c 'x = bytearray(160 << 20); x[::4096] = b\"a\" * (40 << 10); print(len(x) >> 20)'",
                       timeout=120)
     assert r.stdout == b"160\n", r
+
+
+def test_close_during_pause_does_not_deadlock(shoal_home: Path, base_image: str) -> None:
+    """A close racing a pause in the same process must not block the event loop on the state lock."""
+    import threading
+
+    result: dict[str, object] = {}
+
+    async def race() -> None:
+        async with shoal.Client() as c:
+            sb = await c.create("base")
+            await sb.exec("head -c 30000000 /dev/urandom > /tmp/cache && cat /tmp/cache > /dev/null")
+            pause = asyncio.create_task(sb.pause())
+            await asyncio.sleep(0)  # the pause holds the lock while it freezes and reclaims
+            await sb.close()
+            with contextlib.suppress(shoal.ShoalError):
+                await pause
+            result["leftovers"] = _leftovers(sb.id)
+
+    # a deadlock would block the loop itself, so watch it from another thread
+    t = threading.Thread(target=lambda: asyncio.run(race()), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "close() and pause() deadlocked"
+    assert result["leftovers"] == []

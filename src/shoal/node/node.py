@@ -288,7 +288,10 @@ class Node:
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.close()
-        with self._sandbox_lock(sandbox_id):
+        from shoal.node.statelock import sandbox_state_lock
+
+        # the loop-safe lock: a blocking flock here would deadlock against a pause/snapshot in progress
+        async with sandbox_state_lock(self, sandbox_id):
             try:
                 rec = self._record(sandbox_id)
             except SandboxNotFound:

@@ -58,6 +58,18 @@ def max_layers() -> int:
     return int(getattr(store_mod, "MAX_LAYERS", DEFAULT_MAX_LAYERS))
 
 
+def _vm_hook(rec: SandboxRecord, attr: str) -> Any:
+    """The VM backends' own snapshot/fork (memory + disks), when this build has them."""
+    if rec.backend not in ("microvm", "vm"):
+        return None
+    import importlib
+
+    try:
+        return getattr(importlib.import_module("shoal.backends.vm"), attr, None)
+    except ImportError:
+        return None
+
+
 def _pack_knows_network() -> bool:
     # newer pack_upper also leaves out the runtime's resolv.conf mountpoint of networked sandboxes
     import inspect
@@ -117,10 +129,13 @@ async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bo
     `squash=None` squashes only when the image would exceed the overlayfs layer limit.
     """
     t0 = time.monotonic()
+    rec = node.record(sandbox_id)
+    hook = _vm_hook(rec, "snapshot_vm")
+    if hook is not None:
+        return await hook(node, sandbox_id, name)
     ref = parse_ref(name)
     if ref.digest:
         raise InvalidRequest(f"snapshot name {name!r} must be name[:tag], not a digest")
-    rec = node.record(sandbox_id)
     backend = node.backend(rec.backend)
     upper = backend.upper_dir(rec)
     if upper is None:
@@ -215,6 +230,9 @@ async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = Fa
     if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
         raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_FORK}")
     rec = node.record(sandbox_id)
+    hook = _vm_hook(rec, "fork_vm")
+    if hook is not None:  # VMs fork memory and processes along with the disk
+        return await hook(node, sandbox_id, n, **overrides)
     if memory:
         return await fork_with_memory(node, rec, n, **overrides)
     _child_spec(rec, "x", overrides)  # reject bad options before the snapshot is made
