@@ -1,4 +1,7 @@
-"""Container sandboxes end to end, on real crun/runc, overlayfs and EROFS (issue 2)."""
+"""Container sandboxes end to end, on real crun/runc, overlayfs and EROFS (issue 2).
+
+Tests taking `any_client` run twice: through the embedded node and through `shoal serve` over HTTP,
+with the same assertions."""
 
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ def _mounts_under(prefix: str) -> list[str]:
         return [ln.split()[4] for ln in f if ln.split()[4].startswith(prefix)]
 
 
-async def test_exec_basics(client: shoal.Client) -> None:
-    sb = await client.create("base")
+async def test_exec_basics(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base")
     r = await sb.exec("echo out; echo err >&2; exit 3")
     assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
     r = await sb.exec("echo $FOO:$PWD", env={"FOO": "bar"}, cwd="/tmp")
@@ -36,8 +39,8 @@ async def test_exec_basics(client: shoal.Client) -> None:
     assert r.ok is False or r.exit_code == 0
 
 
-async def test_state_persists_across_execs(client: shoal.Client) -> None:
-    sb = await client.create("base")
+async def test_state_persists_across_execs(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base")
     await sb.exec("mkdir -p /work && echo 42 > /work/answer")
     assert (await sb.exec("cat /work/answer")).stdout == b"42\n"
     # a background server started by one exec answers a later one
@@ -52,11 +55,11 @@ async def test_state_persists_across_execs(client: shoal.Client) -> None:
     assert r.stdout.strip() == b"b'42\\n'", r.stderr
 
 
-async def test_isolation(client: shoal.Client, tmp_path: Path) -> None:
+async def test_isolation(any_client: shoal.Client, tmp_path: Path) -> None:
     secret = Path("/tmp") / f"shoal-host-secret-{os.getpid()}"
     secret.write_text("host only")
     try:
-        a, b = await client.create("base"), await client.create("base")
+        a, b = await any_client.create("base"), await any_client.create("base")
         r = await a.exec(f"cat {secret}; ls /var/lib/shoal 2>&1; ls {os.environ['SHOAL_HOME']} 2>&1")
         assert b"host only" not in r.stdout
         assert r.exit_code != 0
@@ -71,8 +74,8 @@ async def test_isolation(client: shoal.Client, tmp_path: Path) -> None:
         secret.unlink()
 
 
-async def test_fork_bomb_contained_by_pids_limit(client: shoal.Client) -> None:
-    sb = await client.create("base", pids=64)
+async def test_fork_bomb_contained_by_pids_limit(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base", pids=64)
     r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 30", timeout=3)
     assert r.timed_out
     # the limit was hit (the kernel counted refused forks) and never exceeded
@@ -89,22 +92,22 @@ async def test_fork_bomb_contained_by_pids_limit(client: shoal.Client) -> None:
     assert int((await sb.exec("ls /proc | grep -c '^[0-9]'")).stdout) < 10
 
 
-async def test_memory_hog_is_oom_killed_agent_lives(client: shoal.Client) -> None:
-    sb = await client.create("base", memory_mb=64)
+async def test_memory_hog_is_oom_killed_agent_lives(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base", memory_mb=64)
     r = await sb.exec(["python3", "-c", "b = bytearray(512 * 2**20); print(len(b))"], timeout=60)
     assert r.exit_code == 137 and r.signal == 9, r
     assert (await sb.exec("echo still here")).stdout == b"still here\n"
 
 
-async def test_output_flood_is_capped(client: shoal.Client) -> None:
-    sb = await client.create("base", max_output_bytes=64 * 1024)
+async def test_output_flood_is_capped(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base", max_output_bytes=64 * 1024)
     r = await sb.exec("yes", timeout=2)
     assert r.truncated and r.timed_out
     assert len(r.stdout) == 64 * 1024
 
 
-async def test_timeout_kills_tree_not_sandbox(client: shoal.Client) -> None:
-    sb = await client.create("base")
+async def test_timeout_kills_tree_not_sandbox(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base")
     t0 = time.monotonic()
     r = await sb.exec("sleep 100 & sleep 100", timeout=1)
     assert r.timed_out and time.monotonic() - t0 < 10
@@ -112,8 +115,8 @@ async def test_timeout_kills_tree_not_sandbox(client: shoal.Client) -> None:
     assert (await sb.exec("true")).exit_code == 0
 
 
-async def test_paths_stay_inside_the_sandbox(client: shoal.Client) -> None:
-    sb = await client.create("base")
+async def test_paths_stay_inside_the_sandbox(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base")
     host_home = os.environ["SHOAL_HOME"]
     assert (await sb.read_file("/../../../etc/hostname")) == (await sb.read_file("/etc/hostname"))
     # a symlink planted in the sandbox resolves inside the sandbox, never on the host
@@ -134,8 +137,8 @@ async def test_paths_stay_inside_the_sandbox(client: shoal.Client) -> None:
     assert "rel.txt" in names
 
 
-async def test_security_defaults(client: shoal.Client) -> None:
-    sb = await client.create("base", hostname="box1")
+async def test_security_defaults(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base", hostname="box1")
     status = (await sb.exec("cat /proc/self/status")).stdout.decode()
     fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
     assert fields["NoNewPrivs"].strip() == "1"
@@ -169,8 +172,8 @@ async def test_network_off_by_default_and_on_request(client: shoal.Client) -> No
     assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
-async def test_disk_limit(client: shoal.Client) -> None:
-    sb = await client.create("base", disk_mb=32)
+async def test_disk_limit(any_client: shoal.Client) -> None:
+    sb = await any_client.create("base", disk_mb=32)
     if not sb.info.extra.get("disk_limit_enforced"):
         pytest.skip("disk limits are not enforced on this host (see shoal doctor)")
     r = await sb.exec("dd if=/dev/zero of=/root/big bs=1M count=64")
@@ -180,23 +183,23 @@ async def test_disk_limit(client: shoal.Client) -> None:
     assert size <= 33 * 2**20
 
 
-async def test_typed_errors(client: shoal.Client) -> None:
+async def test_typed_errors(any_client: shoal.Client) -> None:
     with pytest.raises(shoal.ImageNotFound):
-        await client.create("no-such-image:v9")
+        await any_client.create("no-such-image:v9")
     with pytest.raises(shoal.InvalidRequest):
-        await client.create("base", memory_mb=-1)
+        await any_client.create("base", memory_mb=-1)
     with pytest.raises(shoal.InvalidRequest):
-        await client.create("base", no_such_option=1)
+        await any_client.create("base", no_such_option=1)
     with pytest.raises(shoal.InvalidRequest):
-        await client.create("Bad Name!")
-    sb = await client.create("base")
+        await any_client.create("Bad Name!")
+    sb = await any_client.create("base")
     await sb.close()
     with pytest.raises(shoal.SandboxNotFound):
         await sb.exec("true")
     with pytest.raises(shoal.SandboxNotFound):
-        await client.get("n0-aaaaaaaaaaaaaaaaaaaaaaaaaa")
+        await any_client.get("n0-aaaaaaaaaaaaaaaaaaaaaaaaaa")
     with pytest.raises(shoal.SandboxNotFound):
-        await client.get("../../etc")
+        await any_client.get("../../etc")
 
 
 async def test_ttl_auto_stop(client: shoal.Client) -> None:

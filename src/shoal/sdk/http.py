@@ -14,17 +14,29 @@ import asyncio
 import json
 import random
 import time
+import urllib.parse
 from typing import Any
 
 import httpx
 
 from shoal.errors import CapacityExceeded, InvalidRequest, ShoalError, Timeout, error_from_dict
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
+from shoal.node.records import check_sandbox_id
 from shoal.sdk.transport import Transport
 from shoal.server.codec import STDERR_TAG, decode_dir_entry, decode_exec_result, decode_info
 
 _CHUNK = 1 << 20  # stdin bytes per WebSocket message
 _SLACK_S = 30.0   # how much longer than a command's own timeout an exec request may take
+
+
+def _q(part: str) -> str:
+    """Quote one URL path segment (IDs never contain '/', but a caller's typo must not change the route)."""
+    return urllib.parse.quote(str(part), safe="")
+
+
+def _sid(sandbox_id: str) -> str:
+    """Validate a sandbox ID like the node does (SandboxNotFound for a malformed one), then quote it."""
+    return _q(check_sandbox_id(sandbox_id))
 
 
 class TransportError(ShoalError):
@@ -285,7 +297,7 @@ class HttpTransport(Transport):
         return [x if x is not None else ShoalError("no result") for x in out]
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
-        r = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")
+        r = await self._request("GET", f"/v1/sandboxes/{_sid(sandbox_id)}")
         return decode_info(r.json())
 
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
@@ -294,7 +306,7 @@ class HttpTransport(Transport):
         return [decode_info(d) for d in r.json()["sandboxes"]]
 
     async def close(self, sandbox_id: str) -> None:
-        await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+        await self._request("DELETE", f"/v1/sandboxes/{_sid(sandbox_id)}")
 
     # ---- commands -------------------------------------------------------------------------------
     async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = 300.0,
@@ -306,7 +318,7 @@ class HttpTransport(Transport):
                                 "max_output": max_output}
         if stdin is not None:
             body["stdin"] = base64.b64encode(stdin).decode()
-        r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json_body=body,
+        r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/exec", json_body=body,
                                 read_timeout=None if timeout is None else float(timeout) + _SLACK_S)
         return decode_exec_result(r.json())
 
@@ -336,63 +348,63 @@ class HttpTransport(Transport):
     async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = 300.0,
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                      tty: bool = False, stdin: bool = False) -> HttpStream:
-        ws = await self._ws_connect(f"/v1/sandboxes/{sandbox_id}/stream")
+        ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
         return await HttpStream(ws)._open({"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
                                            "tty": tty, "stdin": stdin})
 
     async def shell_stream(self, sandbox_id: str, shell_id: str, cmd: str, *, timeout: float | None = 300.0,
                            max_output: int | None = None) -> HttpStream:
         """Run a command in a persistent shell and stream its output (HTTP transport extra)."""
-        ws = await self._ws_connect(f"/v1/sandboxes/{sandbox_id}/stream")
+        ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
         return await HttpStream(ws)._open({"shell": shell_id, "cmd": cmd, "timeout": timeout,
                                            "max_output": max_output})
 
     # ---- files ----------------------------------------------------------------------------------
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        r = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path})
+        r = await self._request("GET", f"/v1/sandboxes/{_sid(sandbox_id)}/files", params={"path": path})
         return r.content
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest("data must be bytes")
-        await self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files",
+        await self._request("PUT", f"/v1/sandboxes/{_sid(sandbox_id)}/files",
                             params={"path": path, "mode": format(int(mode) & 0o7777, "04o")}, content=bytes(data))
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
-        r = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/dir", params={"path": path})
+        r = await self._request("GET", f"/v1/sandboxes/{_sid(sandbox_id)}/dir", params={"path": path})
         return [decode_dir_entry(d) for d in r.json()["entries"]]
 
     # ---- shells ---------------------------------------------------------------------------------
     async def shell_open(self, sandbox_id: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
                          user: str | None = None) -> str:
-        r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/shells",
+        r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/shells",
                                 json_body={"cwd": cwd, "env": env, "user": user})
         return str(r.json()["shell_id"])
 
     async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *, timeout: float | None = 300.0,
                         max_output: int | None = None) -> ExecResult:
-        r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/shells/{shell_id}/run",
+        r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/shells/{_q(shell_id)}/run",
                                 json_body={"cmd": cmd, "timeout": timeout, "max_output": max_output},
                                 read_timeout=None if timeout is None else float(timeout) + _SLACK_S)
         return decode_exec_result(r.json())
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
-        await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}/shells/{shell_id}")
+        await self._request("DELETE", f"/v1/sandboxes/{_sid(sandbox_id)}/shells/{_q(shell_id)}")
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def pause(self, sandbox_id: str) -> None:
-        await self._request("POST", f"/v1/sandboxes/{sandbox_id}/pause")
+        await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/pause")
 
     async def resume(self, sandbox_id: str) -> None:
-        await self._request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
+        await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/resume")
 
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
-        r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/snapshot", json_body={"name": name},
+        r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/snapshot", json_body={"name": name},
                                 read_timeout=None)
         return r.json()
 
     async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
-        r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/fork", json_body={"n": n, "options": kw},
+        r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/fork", json_body={"n": n, "options": kw},
                                 read_timeout=None)
         out: list[SandboxInfo | ShoalError] = []
         for it in r.json()["items"]:
