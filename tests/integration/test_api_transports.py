@@ -215,3 +215,21 @@ async def test_sync_client_over_both(any_transport: object) -> None:
                 sb.close()
 
     assert await asyncio.to_thread(work) == b"sync\n"
+
+
+async def test_run_code(any_client: shoal.Client) -> None:
+    from shoal.models import RunCodeResult
+
+    r = await any_client.run_code("print(1+1)")
+    assert isinstance(r, RunCodeResult) and r.status == "success" and r.stdout == b"2\n"
+    r = await any_client.run_code("import sys; sys.stdout.buffer.write(bytes(range(256)))")
+    assert r.stdout == bytes(range(256))
+    r = await any_client.run_code("import sys; print(open('d.bin','rb').read(), sys.stdin.buffer.read())",
+                                  files={"d.bin": b"\xff\x00"}, stdin=b"in\xfe")
+    assert r.stdout == b"b'\\xff\\x00' b'in\\xfe'\n", r  # binary files and stdin arrive exactly
+    r = await any_client.run_code("raise SystemExit(3)")
+    assert r.status == "failed" and r.exit_code == 3
+    with pytest.raises(shoal.InvalidRequest, match="language"):
+        await any_client.run_code("x", language="cobol")
+    many = await any_client.run_code_many(["print(1)", {"code": "echo two", "language": "bash"}])
+    assert [m.stdout for m in many] == [b"1\n", b"two\n"]

@@ -11,6 +11,7 @@ sandbox closed first.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import random
 import time
@@ -23,7 +24,13 @@ from shoal.errors import CapacityExceeded, InvalidRequest, ShoalError, Timeout, 
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
 from shoal.node.records import check_sandbox_id
 from shoal.sdk.transport import Transport
-from shoal.server.codec import STDERR_TAG, decode_dir_entry, decode_exec_result, decode_info
+from shoal.server.codec import (
+    STDERR_TAG,
+    decode_dir_entry,
+    decode_exec_result,
+    decode_info,
+    decode_run_code_result,
+)
 
 _CHUNK = 1 << 20  # stdin bytes per WebSocket message
 _SLACK_S = 30.0   # how much longer than a command's own timeout an exec request may take
@@ -312,8 +319,6 @@ class HttpTransport(Transport):
     async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = 300.0,
                    cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                    stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
-        import base64
-
         body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
                                 "max_output": max_output}
         if stdin is not None:
@@ -418,5 +423,65 @@ class HttpTransport(Transport):
         return list(r.json()["images"])
 
     async def run_code(self, code: str, **kw: Any) -> Any:
-        r = await self._request("POST", "/v1/run_code", json_body={"code": code, **kw})
-        return r.json()["result"]
+        body: dict[str, Any] = {"code": code, **kw}
+        # bytes travel as base64 (stdin_b64, files_b64); the server turns them back into bytes
+        if isinstance(body.get("code"), (bytes, bytearray)):
+            body["code"] = _text(body["code"], "code")
+        if isinstance(body.get("stdin"), (bytes, bytearray)):
+            body["stdin_b64"] = base64.b64encode(body.pop("stdin")).decode()
+        if isinstance(body.get("files"), dict):
+            files = dict(body["files"])
+            binary = {p: base64.b64encode(v).decode() for p, v in files.items() if isinstance(v, (bytes, bytearray))}
+            body["files"] = {p: v for p, v in files.items() if p not in binary}
+            if binary:
+                body["files_b64"] = binary
+        timeout = kw.get("timeout")
+        r = await self._request("POST", "/v1/run_code", json_body=body,
+                                read_timeout=None if timeout is None else float(timeout) + 60)
+        res = r.json()["result"]
+        if isinstance(res, dict) and "status" in res and "encoding" in res:
+            return decode_run_code_result(res)
+        return res
+
+    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        """Many snippets in one request (the fncall backend's `/v1/run_code_many`); one result per item.
+
+        That route carries code, stdin and files as text and sends output back as text: output that is
+        not UTF-8 arrives with replacement characters (use run_code for exact bytes).
+        """
+        from shoal.models import RunCodeResult
+
+        body = {"items": [_texts(it) if isinstance(it, dict) else _text(it, "code") for it in items], **_texts(kw)}
+        r = await self._request("POST", "/v1/run_code_many", json_body=body, read_timeout=None)
+        out = []
+        for d in r.json()["results"]:
+            res = RunCodeResult.from_dict(d)
+            res.stdout, res.stderr = _b(res.stdout), _b(res.stderr)
+            if res.compile is not None:
+                res.compile.stdout, res.compile.stderr = _b(res.compile.stdout), _b(res.compile.stderr)
+            out.append(res)
+        return out
+
+
+def _b(x: str | bytes) -> bytes:
+    return x if isinstance(x, bytes) else str(x).encode()
+
+
+def _text(v: Any, what: str) -> Any:
+    if isinstance(v, (bytes, bytearray)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"{what} is not UTF-8 text; run_code_many over HTTP carries text only "
+                                 "(use run_code for binary stdin or files)") from None
+    return v
+
+
+def _texts(d: dict[str, Any]) -> dict[str, Any]:
+    d = dict(d)
+    for k in ("code", "stdin"):
+        if k in d:
+            d[k] = _text(d[k], k)
+    if isinstance(d.get("files"), dict):
+        d["files"] = {p: _text(v, f"file {p}") for p, v in d["files"].items()}
+    return d

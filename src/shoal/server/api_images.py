@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.errors import Forbidden, ImageNotFound, InvalidRequest, NotImplementedYet
 from shoal.fsutil import tmp_name
+from shoal.server.codec import b64decode_field, encode_run_code_result
 from shoal.server.deps import Namespace, authorized, require_admin, state_of
 from shoal.server.responses import errors
-from shoal.server.schemas import BuildIn, ImageList, RunCodeIn
+from shoal.server.schemas import NEW_IMAGE_RE, BuildIn, ImageList, NewImageName, RunCodeIn
 from shoal.server.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["images"])
@@ -34,8 +35,16 @@ class PullIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     source: str = Field(..., max_length=1000, description="docker://registry/name:tag")
-    name: str = Field(..., min_length=1, max_length=200, description="name[:tag] in the store")
+    name: NewImageName = Field(..., description="name[:tag] in the store")
     tls_verify: bool = True
+
+
+def _lookup(st: Any, ns: Namespace, ref: str) -> str:
+    """The store name of an existing image the caller names; a malformed name cannot exist (404)."""
+    try:
+        return ns.for_read(st, ref)
+    except InvalidRequest as e:
+        raise ImageNotFound(f"image {ref!r} not found ({e.message})") from None
 
 
 def _report(ns: Namespace, rep: Any) -> dict[str, Any]:
@@ -59,7 +68,7 @@ async def get_image(ref: RefPath, request: Request, who: Who) -> dict[str, Any]:
     """One image: its layers (bottom first), config and lineage."""
     st = state_of(request)
     ns = Namespace(who)
-    img = st.node.store.resolve(ns.for_read(st, ref))
+    img = st.node.store.resolve(_lookup(st, ns, ref))
     return ns.show_image(img.to_dict())
 
 
@@ -68,7 +77,7 @@ async def remove_image(ref: RefPath, request: Request, who: Who) -> Response:
     """Remove a tag of the caller's project (shared images: admin tokens only). Layers go at `gc`."""
     st = state_of(request)
     ns = Namespace(who)
-    name = ns.for_read(st, ref)
+    name = _lookup(st, ns, ref)
     if not ns.owns(name):
         if not st.node.store.exists(name):
             raise ImageNotFound(f"image {ref} not found")
@@ -87,8 +96,8 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
         from shoal.images.refs import parse_ref
 
         if parse_ref(body.name).name != "base":
-            raise InvalidRequest(f"no recipe given for {body.name!r}: only `base` builds without one",
-                                 errors=[{"field": "body.recipe", "message": "required unless name is base"}])
+            raise ImageNotFound(f"no built-in recipe for {body.name!r}: only `base` builds without one; "
+                                "send `recipe` for anything else")
         require_admin(who, "building the base image")
         from shoal.images.base import build_base
 
@@ -109,7 +118,7 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
 async def import_image(request: Request, who: Who,
-                       name: Annotated[str, Query(min_length=1, max_length=200, description="name[:tag]")],
+                       name: Annotated[str, Query(max_length=300, pattern=NEW_IMAGE_RE, description="name[:tag]")],
                        select: Annotated[str | None, Query(max_length=300)] = None) -> dict[str, Any]:
     """Import the tarball in the request body (`docker save` output or an OCI image layout) as `name`."""
     st = state_of(request)
@@ -149,6 +158,12 @@ async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]
     return _report(ns, rep)
 
 
+def _str(v: Any, name: str) -> str:
+    if not isinstance(v, str):
+        raise InvalidRequest(f"{name} must be a base64 string")
+    return v
+
+
 def jsonable(obj: Any) -> Any:
     """Turn a result object (dataclass, pydantic model, bytes…) into JSON-friendly data."""
     if hasattr(obj, "to_dict"):
@@ -172,8 +187,21 @@ async def run_code(body: RunCodeIn, request: Request, who: Who) -> dict[str, Any
     """Run a short snippet in a warm pool (no sandbox to manage); extra fields go to the backend."""
     st = state_of(request)
     extra = dict(body.model_extra or {})
+    # the SDK sends bytes as base64 (stdin_b64, files_b64)
+    if "stdin_b64" in extra:
+        extra["stdin"] = b64decode_field(_str(extra.pop("stdin_b64"), "stdin_b64"), "stdin_b64")
+    if "files_b64" in extra:
+        fb = extra.pop("files_b64")
+        if not isinstance(fb, dict):
+            raise InvalidRequest("files_b64 must map paths to base64 strings")
+        files = dict(extra.get("files") or {}) if isinstance(extra.get("files") or {}, dict) else {}
+        for path, v in fb.items():
+            files[path] = b64decode_field(_str(v, f"files_b64.{path}"), f"files_b64.{path}")
+        extra["files"] = files
     try:
         res = await st.node.run_code(body.code, language=body.language, **extra)
     except TypeError as e:
         raise InvalidRequest(f"bad run_code options: {e}") from None
+    if hasattr(res, "to_dict") and hasattr(res, "compile"):
+        return {"result": encode_run_code_result(res)}
     return {"result": jsonable(res)}

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
+from pydantic import StringConstraints
 
 from shoal.errors import Forbidden, InvalidRequest, NotImplementedYet, SandboxError, ShoalError
 from shoal.models import SandboxInfo, SandboxSpec
@@ -39,6 +40,7 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 Who = Annotated[Principal, Depends(authorized)]
 SidPath = Annotated[str, PathParam(max_length=200, description="sandbox id (`<node>-<26 chars>`)")]
 _SPEC_FIELDS = {f.name for f in fields(SandboxSpec)}
+LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]+=.*$", max_length=2048)]
 
 
 def _spec(st: ServerState, who: Principal, body: SpecIn) -> SandboxSpec:
@@ -132,9 +134,11 @@ async def create_batch(body: BatchIn, request: Request, who: Who) -> dict[str, A
 
 @router.get("", response_model=SandboxList, responses=errors(403), summary="List sandboxes")
 async def list_sandboxes(request: Request, who: Who,
-                         label: Annotated[list[str] | None, Query(description="KEY=VALUE; repeat to match all")] = None,
-                         project: Annotated[str | None, Query(max_length=63, description="admin tokens: only this "
-                                                              "project (default: all)")] = None) -> dict[str, Any]:
+                         label: Annotated[list[LabelFilter] | None,
+                                          Query(description="KEY=VALUE; repeat to match all")] = None,
+                         project: Annotated[str | None, Query(pattern=r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
+                                                              description="admin tokens: only this project "
+                                                              "(default: all)")] = None) -> dict[str, Any]:
     """Sandboxes of the caller's project (admin tokens: of every project), optionally matching labels."""
     st = state_of(request)
     labels = {}
@@ -190,7 +194,7 @@ _OCTET = {"application/octet-stream": {"schema": {"type": "string", "format": "b
 @router.get("/{sandbox_id}/files", response_class=Response, summary="Download a file",
             responses={200: {"content": _OCTET, "description": "the file's bytes"}, **SANDBOX_ERRORS})
 async def read_file(sandbox_id: SidPath, request: Request, who: Who,
-                    path: Annotated[str, Query(min_length=1, max_length=4096,
+                    path: Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^[^\x00]+$",
                                                description="absolute, or relative to the workdir")]) -> Response:
     """A file's bytes (application/octet-stream)."""
     st = state_of(request)
@@ -203,7 +207,7 @@ async def read_file(sandbox_id: SidPath, request: Request, who: Who,
             responses=SANDBOX_ERRORS,
             openapi_extra={"requestBody": {"required": True, "content": _OCTET}})
 async def write_file(sandbox_id: SidPath, request: Request, who: Who,
-                     path: Annotated[str, Query(min_length=1, max_length=4096)],
+                     path: Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")],
                      mode: Annotated[str, Query(pattern=r"^0?[0-7]{3,4}$", description="octal, e.g. 0644")] = "0644",
                      ) -> Response:
     """Write the request body to `path` atomically (parent directories are created)."""
@@ -216,7 +220,8 @@ async def write_file(sandbox_id: SidPath, request: Request, who: Who,
 
 @router.get("/{sandbox_id}/dir", response_model=DirList, responses=SANDBOX_ERRORS, summary="List a directory")
 async def list_dir(sandbox_id: SidPath, request: Request, who: Who,
-                   path: Annotated[str, Query(min_length=1, max_length=4096)] = ".") -> dict[str, Any]:
+                   path: Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")] = ".",
+                   ) -> dict[str, Any]:
     """A directory's entries, sorted by name."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)

@@ -82,16 +82,25 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = _HTTP_CODES.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "shoal_error")
+        status = exc.status_code
+        code = _HTTP_CODES.get(status, "invalid_request" if status < 500 else "shoal_error")
         msg = str(exc.detail)
-        if exc.status_code == 404 and msg == "Not Found":
+        details: dict[str, Any] = {}
+        headers = dict(exc.headers or {})
+        if status == 400:
+            # FastAPI's "error parsing the body" (e.g. not UTF-8): invalid input like any other, 422
+            status, msg = 422, f"request body is not valid JSON text: {msg}"
+            details = {"errors": [{"field": "body", "message": "not valid JSON (UTF-8)"}]}
+        elif status == 404 and msg == "Not Found":
             msg = f"no route {request.method} {request.url.path}: see /openapi.json"
-        elif exc.status_code == 405:
-            msg = f"method {request.method} is not allowed on {request.url.path}: see /openapi.json"
+        elif status == 405:
+            allowed = _allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {', '.join(allowed)})"
+        if hasattr(exc, "limit"):
+            details = {"limit_bytes": exc.limit, "reason": "payload_too_large"}
         count(request, code)
-        details = {"limit_bytes": exc.limit, "reason": "payload_too_large"} if hasattr(exc, "limit") else {}
-        return error_response(exc.status_code, {"code": code, "message": msg, "details": details},
-                              dict(exc.headers or {}))
+        return error_response(status, {"code": code, "message": msg, "details": details}, headers)
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
@@ -99,6 +108,27 @@ def _install_handlers(app: FastAPI) -> None:
         count(request, "internal_error")
         return error_response(500, {"code": "shoal_error", "message": f"internal error ({type(exc).__name__}): "
                                     f"{exc}; the server log has the traceback", "details": {}})
+
+
+def _leaf_routes(routes: Any) -> Any:
+    for r in routes:
+        sub = getattr(r, "original_router", None)  # FastAPI keeps included routers nested
+        if sub is not None:
+            yield from _leaf_routes(sub.routes)
+        else:
+            yield r
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on this path (Starlette lists only the first route's)."""
+    methods: set[str] = set()
+    for route in _leaf_routes(request.app.router.routes):
+        rx, m = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if rx is not None and m and rx.match(request.url.path):
+            methods |= set(m)
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 class RequestMetrics:
@@ -199,4 +229,4 @@ def _include_fusion(app: FastAPI) -> None:
         return
     router = getattr(fusion, "router", None)
     if router is not None:
-        app.include_router(router, dependencies=[Depends(authorized)])
+        app.include_router(router, dependencies=[Depends(authorized)], responses=errors(500, 501, 503, 504))

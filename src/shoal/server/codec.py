@@ -79,3 +79,25 @@ def b64decode_field(value: str | None, name: str) -> bytes | None:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"{name}: not valid base64", field=name) from None
+
+
+def encode_run_code_result(r: Any) -> dict[str, Any]:
+    """A fncall RunCodeResult → JSON object, with the run and compile output kept exact (as ExecResult)."""
+    d = r.to_dict()
+    d.update(encode_exec_result(r))
+    d["compile"] = encode_exec_result(r.compile) if r.compile is not None else None
+    return d
+
+
+def decode_run_code_result(d: dict[str, Any]) -> Any:
+    """JSON object → RunCodeResult (output as bytes, like the embedded client's)."""
+    from shoal.models import RunCodeResult
+
+    run = decode_exec_result(d)
+    comp = d.get("compile")
+    known = {f.name for f in fields(RunCodeResult)}
+    kw = {k: v for k, v in d.items() if k in known and k not in ("compile", "files")}
+    kw.update(exit_code=run.exit_code, stdout=run.stdout, stderr=run.stderr)
+    kw["compile"] = decode_exec_result(comp) if isinstance(comp, dict) else None
+    kw["files"] = {k: base64.b64decode(v) for k, v in (d.get("files") or {}).items()}
+    return RunCodeResult(**kw)

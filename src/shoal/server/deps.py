@@ -98,13 +98,14 @@ def owned_record(st: ServerState, who: Principal, sandbox_id: str) -> SandboxRec
 class Namespace:
     """A project's view of the image store.
 
-    Images a project makes (snapshots, builds) are stored as `projects/<project>/<name>`; the project
-    names them without the prefix. Names it looks up resolve to its own image first, then to a shared
-    one. Admin tokens and the `default` project see the store as it is.
+    Images a project's token makes (snapshots, builds, imports) are stored as `projects/<project>/<name>`;
+    the project names them without the prefix. Names it looks up resolve to its own image first, then to
+    a shared one; it can remove only its own. Admin tokens (and a server without tokens) see the store as
+    it is, like the embedded client.
     """
 
     def __init__(self, who: Principal) -> None:
-        self.prefix = None if who.admin or who.project == DEFAULT_PROJECT else f"{PROJECT_IMAGES}{who.project}/"
+        self.prefix = None if who.admin else f"{PROJECT_IMAGES}{who.project}/"
         self.project = who.project
 
     def _foreign(self, name: str) -> bool:

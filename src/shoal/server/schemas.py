@@ -3,9 +3,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+#: largest `n` of one batch create or fork (a server may set a lower limit)
+MAX_BATCH = 4096
+#: environment variable names: no '=' and no NUL; values: no NUL
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^=\x00]+$")]
+EnvValue = Annotated[str, StringConstraints(max_length=1 << 20, pattern=r"^[^\x00]*$")]
+Env = dict[EnvName, EnvValue]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+LabelValue = Annotated[str, StringConstraints(max_length=1024)]
+#: a path inside the sandbox (absolute, or relative to the workdir); no NUL
+SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+#: a command: a non-empty string, or a non-empty argv
+Arg = Annotated[str, StringConstraints(max_length=1 << 20, pattern=r"^[^\x00]*$")]
+_NAME = r"[a-z0-9](?:[a-z0-9._/-]{0,126}[a-z0-9])?"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+#: an image reference: name[:tag] or name@sha256:<hex>
+ImageRef = Annotated[str, StringConstraints(max_length=300, pattern=rf"^{_NAME}(?::{_TAG}|@sha256:[0-9a-f]{{64}})?$")]
+#: the name of a new image: name[:tag]
+NEW_IMAGE_RE = rf"^{_NAME}(?::{_TAG})?$"
+NewImageName = Annotated[str, StringConstraints(max_length=300, pattern=NEW_IMAGE_RE)]
+Command = Annotated[str, StringConstraints(min_length=1, max_length=1 << 20, pattern=r"^[^\x00]*\S[^\x00]*$")] | \
+    Annotated[list[Arg], Field(min_length=1, max_length=100_000)]
 
 _ENV_DOC = "environment variables (names without '=' or NUL)"
 
@@ -17,10 +39,9 @@ class _In(BaseModel):
 class SpecIn(_In):
     """A sandbox to create (defaults as in the Python SDK's `client.create`)."""
 
-    image: str = Field("base", min_length=1, max_length=300,
-                       description="image reference: name[:tag] or name@sha256:…")
+    image: ImageRef = Field("base", description="image reference: name[:tag] or name@sha256:…")
     backend: Literal["container", "microvm", "vm", "fncall"] = "container"
-    runtime: str | None = Field(None, max_length=32, description="container runtime: crun, runc or gvisor")
+    runtime: Literal["auto", "crun", "runc", "gvisor"] | None = Field(None, description="container runtime")
     cpus: float = Field(1.0, ge=0.01, le=256)
     memory_mb: int = Field(1024, ge=16, le=1 << 20)
     pids: int = Field(512, ge=8, le=1 << 22)
@@ -28,28 +49,29 @@ class SpecIn(_In):
     max_output_bytes: int = Field(1 << 20, ge=0, le=1 << 30)
     network: bool = False
     ttl_s: float | None = Field(3600.0, gt=0, le=30 * 86400, description="seconds until auto-close; null = never")
-    env: dict[str, str] = Field(default_factory=dict, description=_ENV_DOC)
-    labels: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = Field(None, max_length=4096)
-    user: str | None = Field(None, max_length=256)
-    hostname: str | None = Field(None, max_length=63)
-    project: str | None = Field(None, max_length=63, description="admin tokens only: create in this project")
+    env: Env = Field(default_factory=dict, description=_ENV_DOC)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    workdir: SandboxPath | None = None
+    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
+    hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,63}$")
+    project: str | None = Field(None, pattern=r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
+                                description="admin tokens only: create in this project")
 
 
 class BatchIn(SpecIn):
     """`n` sandboxes of one spec, made in one request; failures are reported per item."""
 
-    n: int = Field(..., ge=1, le=100_000)
+    n: int = Field(..., ge=1, le=MAX_BATCH)
 
 
 class ExecIn(_In):
     """A command to run to completion."""
 
-    cmd: str | list[str] = Field(..., description="a string runs under bash -c; a list is an argv")
+    cmd: Command = Field(..., description="a string runs under bash -c; a list is an argv")
     timeout: float | None = Field(300.0, gt=0, le=7 * 86400, description="seconds; null = no limit")
-    cwd: str | None = Field(None, max_length=4096)
-    env: dict[str, str] | None = Field(None, description=_ENV_DOC)
-    user: str | None = Field(None, max_length=256)
+    cwd: SandboxPath | None = None
+    env: Env | None = Field(None, description=_ENV_DOC)
+    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
     stdin: str | None = Field(None, description="base64 bytes fed to the command's stdin")
     max_output: int | None = Field(None, ge=0, le=1 << 30, description="bytes of stdout+stderr kept")
 
@@ -57,15 +79,15 @@ class ExecIn(_In):
 class ShellOpenIn(_In):
     """Options of a new persistent shell."""
 
-    cwd: str | None = Field(None, max_length=4096)
-    env: dict[str, str] | None = None
-    user: str | None = Field(None, max_length=256)
+    cwd: SandboxPath | None = None
+    env: Env | None = None
+    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
 
 
 class ShellRunIn(_In):
     """One command for a persistent shell."""
 
-    cmd: str = Field(..., max_length=1 << 20)
+    cmd: Annotated[str, StringConstraints(min_length=1, max_length=1 << 20, pattern=r"^[^\x00]*$")]
     timeout: float | None = Field(300.0, gt=0, le=7 * 86400)
     max_output: int | None = Field(None, ge=0, le=1 << 30)
 
@@ -73,28 +95,38 @@ class ShellRunIn(_In):
 class SnapshotIn(_In):
     """Name of the image a snapshot becomes."""
 
-    name: str = Field(..., min_length=1, max_length=200)
+    name: NewImageName
 
 
 class ForkIn(_In):
     """How many children to fork."""
 
-    n: int = Field(1, ge=1, le=100_000)
+    n: int = Field(1, ge=1, le=MAX_BATCH)
     options: dict[str, Any] = Field(default_factory=dict, description="extra fork options of the node")
 
 
+def _languages() -> list[str]:
+    try:
+        from shoal.backends.fncall_languages import LANGUAGES
+    except ImportError:
+        return []
+    return sorted({n for lang in LANGUAGES.values() for n in (lang.name, *lang.aliases)})
+
+
 class RunCodeIn(BaseModel):
-    """A snippet for the fncall backend (extra fields pass through to it)."""
+    """A snippet for the fncall backend (extra fields — stdin, timeout, memory_mb, files, fetch_files,
+    env, args, image, max_output, cpus — pass through to it)."""
 
     model_config = ConfigDict(extra="allow")
     code: str = Field(..., max_length=1 << 22)
-    language: str = Field("python", max_length=32)
+    language: str = Field("python", max_length=32,
+                          json_schema_extra={"enum": _languages()} if _languages() else None)
 
 
 class BuildIn(_In):
     """An image build request."""
 
-    name: str = Field(..., min_length=1, max_length=200, description="name[:tag] of the image to build")
+    name: NewImageName = Field(..., description="name[:tag] of the image to build")
     recipe: dict[str, Any] | None = Field(None, description="build steps (see `shoal image build`); "
                                                             "omit to build the built-in `base`")
 

@@ -41,7 +41,7 @@ class ServerSettings:
     max_queued_per_token: int = field(default_factory=lambda: int(_env("SHOAL_API_MAX_QUEUED", "4096")))
     #: sandboxes this server creates at once (bounds crun/mount work on the host; others queue)
     create_concurrency: int = field(default_factory=lambda: int(_env("SHOAL_API_CREATE_CONCURRENCY", "32")))
-    #: largest `n` of one batch create or fork
+    #: largest `n` of one batch create or fork (at most schemas.MAX_BATCH = 4096)
     max_batch: int = field(default_factory=lambda: int(_env("SHOAL_API_MAX_BATCH", "4096")))
     #: largest WebSocket message (bytes)
     ws_max_message_bytes: int = 16 << 20
