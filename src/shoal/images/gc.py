@@ -187,7 +187,8 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
         report.removed_manifests.append(d)
     for d in keep_m - tagged_m:
         with contextlib.suppress(Exception):
-            tagged_l.update(x[7:] for x in store.manifest(d).get("layers", []))
+            # an image version a local sandbox runs on: its layers are in use; a young one: referenced
+            (local_l if d in local_m else tagged_l).update(x[7:] for x in store.manifest(d).get("layers", []))
 
     in_use = local_l | mounted | leased
     candidates = []
