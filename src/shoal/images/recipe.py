@@ -502,14 +502,20 @@ async def _build_step(node: Node, recipe: Recipe, i: int, step: Run | Copy, laye
                               step=i) from None
     sid = info.id
     try:
-        client = await node.client(sid)
-        if isinstance(step, Run):
-            if cfg.workdir not in ("", "/"):
-                await client.mkdir(cfg.workdir, parents=True)
-            await _run(node, sid, i, step, cfg, log)
-        else:
-            assert copy_dir is not None
-            await _copy(node, sid, i, step, copy_dir, copy_name)
+        try:
+            client = await node.client(sid)
+            if isinstance(step, Run):
+                if cfg.workdir not in ("", "/"):
+                    await client.mkdir(cfg.workdir, parents=True)
+                await _run(node, sid, i, step, cfg, log)
+            else:
+                assert copy_dir is not None
+                await _copy(node, sid, i, step, copy_dir, copy_name)
+        except ImageBuildError:
+            raise
+        except ShoalError as e:
+            # e.g. the workdir is not reachable by the step's user, or the user does not exist
+            raise ImageBuildError(f"step {i} `{step.describe()[:200]}` could not run: {e.message}", step=i) from None
         await _freeze(node, sid)
         rec = node.record(sid)
         upper = node.backend(rec.backend).upper_dir(rec)
