@@ -11,6 +11,8 @@ APT_PACKAGES=(
   crun runc iproute2 nftables kmod util-linux
   # image store
   erofs-utils mmdebstrap skopeo zstd e2fsprogs btrfs-progs
+  # a loopback registry for the image-import tests (never started as a service)
+  docker-registry
   # microVM / VM backends (guest kernel comes from Debian's package, never from elsewhere)
   qemu-system-x86 qemu-utils busybox-static cpio linux-image-amd64
 )

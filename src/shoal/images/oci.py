@@ -461,6 +461,8 @@ def pull_image(store: ImageStore, source: str, ref: str, *, tls_verify: bool = T
     log = log or (lambda s: None)
     base = Path(work_dir) if work_dir else store.tmp_dir
     base.mkdir(parents=True, exist_ok=True)
+    if ":" in str(base):
+        raise InvalidRequest(f"cannot pull into {base}: skopeo cannot write archives to paths containing ':'")
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-pull-", dir=base))
     try:
         archive = tmp / "image.tar"
