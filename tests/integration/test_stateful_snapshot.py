@@ -174,3 +174,26 @@ async def test_snapshot_chain(client: shoal.Client, names: list[str]) -> None:
         await sb.close()
     last = await client.create(ref)
     assert (await last.exec("cat /root/steps")).stdout == b"0\n1\n2\n"
+
+
+async def test_deep_chain_is_squashed_automatically(client: shoal.Client, names: list[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the overlayfs layer limit (lowered here to 3), a snapshot becomes one squashed layer."""
+    import shoal.node.snapshot as snap
+
+    monkeypatch.setattr(snap, "max_layers", lambda: 3)
+    base_depth = len(client.transport.node.store.resolve("base").layers)
+    assert base_depth <= 2
+    ref, depths = "base", []
+    for step in range(4 - base_depth):
+        sb = await client.create(ref)
+        await sb.exec(f"echo {step} >> /root/steps && rm -f /root/.bashrc")
+        img = await sb.snapshot(_name(names, f"deep{step}"))
+        depths.append((len(img["layers"]), img["lineage"]["squashed"]))
+        ref = img["ref"]
+        await sb.close()
+    assert depths[-1] == (1, True), depths
+    assert all(d <= 3 for d, _ in depths)
+    last = await client.create(ref)
+    r = await last.exec("cat /root/steps; test -e /root/.bashrc; echo $?")
+    assert r.stdout == "".join(f"{i}\n" for i in range(4 - base_depth)).encode() + b"1\n", r
