@@ -222,6 +222,10 @@ from shoal.cli.server import register as _register_server  # noqa: E402
 
 _register_server(app)
 
+from shoal.cli.demo import register as _register_demo  # noqa: E402 - `shoal demo` and `shoal tasks` live there
+
+_register_demo(app)
+
 from shoal.cli.fncall import fncall_app  # noqa: E402 - the `fncall` sub-commands live there
 
 app.add_typer(fncall_app, name="fncall")

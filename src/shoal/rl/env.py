@@ -139,7 +139,8 @@ class SandboxEnv:
         self.steps = 0
         self.done = False
         self.grade: Grade | None = None
-        self.timings: dict[str, float] = {"create": 0.0, "agent": 0.0, "grade": 0.0}
+        #: seconds per phase: sandbox create, agent steps, waiting for a grading slot, grading itself
+        self.timings: dict[str, float] = {"create": 0.0, "agent": 0.0, "grade_wait": 0.0, "grade": 0.0}
 
     @property
     def client(self) -> Any:
@@ -157,7 +158,7 @@ class SandboxEnv:
         """Start a new episode in a fresh sandbox; returns the first observation (the task prompt)."""
         await self._close_sandbox()
         self.steps, self.done, self.grade = 0, False, None
-        self.timings = {"create": 0.0, "agent": 0.0, "grade": 0.0}
+        self.timings = {"create": 0.0, "agent": 0.0, "grade_wait": 0.0, "grade": 0.0}
         t0 = time.monotonic()
         t = self.task
         kw: dict[str, Any] = dict(network=bool(getattr(t, "network", False)), memory_mb=self.memory_mb,
@@ -275,7 +276,11 @@ class SandboxEnv:
         if self._grade_sem is None:
             yield
             return
+        t0 = time.monotonic()
         async with self._grade_sem:
+            waited = time.monotonic() - t0
+            self.timings["grade_wait"] += waited
+            self.timings["grade"] -= waited  # submit() times the whole of grading, queue included
             yield
 
     def _grade_text(self, g: Grade) -> str:

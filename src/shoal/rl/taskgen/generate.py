@@ -365,3 +365,28 @@ def task_set_path(tasks: list[SWETask], dest: str | Path) -> Path:
     from shoal.rl.tasks import dump_jsonl
 
     return dump_jsonl(tasks, dest)
+
+
+#: a patch that changes nothing the tests can see: what grading the bug alone looks like
+NOOP_PATCH = ("diff --git a/.shoal-noop b/.shoal-noop\nnew file mode 100644\n--- /dev/null\n+++ b/.shoal-noop\n"
+              "@@ -0,0 +1 @@\n+noop\n")
+
+
+async def verify_task(client: Any, task: SWETask) -> list[str]:
+    """Problems with a task (empty when sound): the gold patch must resolve it, and the bug alone must fail
+    exactly FAIL_TO_PASS while every PASS_TO_PASS test passes."""
+    from shoal.rl.grader import RESOLVED, UNRESOLVED, grade_patch
+
+    gold, bug = await asyncio.gather(grade_patch(client, task, task.patch), grade_patch(client, task, NOOP_PATCH))
+    problems = []
+    if gold.outcome != RESOLVED:
+        problems.append(f"gold patch: {gold.outcome} ({gold.detail})")
+    if bug.outcome != UNRESOLVED:
+        problems.append(f"bug alone: {bug.outcome} ({bug.detail})")
+    fixed = [t for t, s in bug.fail_to_pass.items() if s in PASS_STATUSES]
+    broken = [t for t, s in bug.pass_to_pass.items() if s not in PASS_STATUSES]
+    if fixed:
+        problems.append(f"FAIL_TO_PASS tests pass without the fix: {fixed[:3]}")
+    if broken:
+        problems.append(f"PASS_TO_PASS tests fail with the bug alone: {broken[:3]}")
+    return problems
