@@ -8,9 +8,11 @@ works is *probed* (a real tiny container), never assumed, and cached per boot.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +23,49 @@ from shoal.host import cgroups
 from shoal.host.spawn import Completed, run, run_sync
 
 RUNTIME_BINARIES = {"crun": "crun", "runc": "runc", "gvisor": "runsc"}
+
+# crun and runc re-execute themselves from a private copy at every start (their defence against
+# CVE-2019-5736: a container overwriting the host binary through /proc/self/exe) unless they already
+# run from a sealed memfd. One sealed copy per node process saves that second exec, plus a bind mount
+# and a lazy unmount, on every runtime call: `crun state` costs 2.0 ms of CPU instead of 4.3 ms here.
+# SHOAL_SEALED_RUNTIME=0 turns it off. (A host upgrade of the binary is picked up by a node restart.)
+_MEMFD_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+_sealed: dict[tuple[int, str], str] = {}
+
+
+def sealed_executable(binary: str) -> str:
+    """Path of a sealed in-memory copy of `binary` (/proc/<pid>/fd/N), or `binary` when that cannot work."""
+    if os.environ.get("SHOAL_SEALED_RUNTIME", "1") == "0":
+        return binary
+    key = (os.getpid(), os.path.realpath(binary))
+    path = _sealed.get(key)
+    if path is not None:
+        return path
+    path = binary
+    fd = -1
+    try:
+        fd = os.memfd_create(f"{os.path.basename(key[1])}_cloned:/proc/self/exe",
+                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        with open(key[1], "rb") as src:
+            size = os.fstat(src.fileno()).st_size
+            off = 0
+            while off < size:
+                off += os.sendfile(fd, src.fileno(), off, size - off)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _MEMFD_SEALS)
+        # the parent's fd table, not the child's: file actions of a spawn may reuse low fd numbers
+        candidate = f"/proc/{os.getpid()}/fd/{fd}"
+        # memfds may be non-executable on this host (vm.memfd_noexec): check before relying on it
+        ok = subprocess.run([os.path.basename(binary), "--version"], executable=candidate, capture_output=True,
+                            timeout=10).returncode == 0
+        if ok:
+            path, fd = candidate, -1
+    except (OSError, subprocess.SubprocessError):
+        pass
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    _sealed[key] = path
+    return path
 
 
 @dataclass
@@ -51,6 +96,13 @@ class OciRuntime:
     def _argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
 
+    @property
+    def executable(self) -> str | None:
+        """What to exec for this runtime: a sealed in-memory copy for crun/runc (see sealed_executable)."""
+        if self.name in ("crun", "runc") and os.path.isabs(self.binary):
+            return sealed_executable(self.binary)
+        return None
+
     async def run_detached(self, bundle: Path, cid: str, listen_fd: int | None,
                            pid_file: Path | None = None) -> Completed:
         """Start the container in the background, handing `listen_fd` to it as fd 3."""
@@ -62,20 +114,21 @@ class OciRuntime:
             args += ["--preserve-fds", "1"]
             fds[3] = listen_fd
         args.append(cid)
-        return await run(self._argv(*args), fds=fds, timeout=60)
+        return await run(self._argv(*args), fds=fds, timeout=60, executable=self.executable)
 
     async def kill(self, cid: str, sig: str = "KILL", all_procs: bool = False) -> Completed:
         """Send a signal to the container's init (or to every process with all_procs)."""
         args = ["kill"] + (["--all"] if all_procs and self.name != "gvisor" else []) + [cid, sig]
-        return await run(self._argv(*args), timeout=30)
+        return await run(self._argv(*args), timeout=30, executable=self.executable)
 
     async def delete(self, cid: str, force: bool = True) -> Completed:
         """Delete the container (and its cgroup); force kills it first."""
-        return await run(self._argv("delete", *(["--force"] if force else []), cid), timeout=30)
+        return await run(self._argv("delete", *(["--force"] if force else []), cid), timeout=30,
+                         executable=self.executable)
 
     async def state(self, cid: str) -> dict | None:
         """The runtime's state JSON, or None when the container does not exist."""
-        r = await run(self._argv("state", cid), timeout=30)
+        r = await run(self._argv("state", cid), timeout=30, executable=self.executable)
         if r.returncode != 0:
             return None
         try:
@@ -85,11 +138,11 @@ class OciRuntime:
 
     async def pause(self, cid: str) -> None:
         """Freeze every process of the container (cgroup freezer)."""
-        (await run(self._argv("pause", cid), timeout=30)).check(f"{self.name} pause")
+        (await run(self._argv("pause", cid), timeout=30, executable=self.executable)).check(f"{self.name} pause")
 
     async def resume(self, cid: str) -> None:
         """Thaw a paused container."""
-        (await run(self._argv("resume", cid), timeout=30)).check(f"{self.name} resume")
+        (await run(self._argv("resume", cid), timeout=30, executable=self.executable)).check(f"{self.name} resume")
 
     def list_ids(self) -> list[str]:
         """IDs of every container this runtime knows on the host."""

@@ -46,8 +46,10 @@ def _read_all(fd: int) -> bytes:
 
 
 async def run(argv: list[str], *, fds: dict[int, int] | None = None, timeout: float | None = 60.0,
-              env: dict[str, str] | None = None, stdin: bytes | None = None) -> Completed:
-    """Run `argv`, capture stdout/stderr; `fds` maps child fd number -> parent fd to place there."""
+              env: dict[str, str] | None = None, stdin: bytes | None = None,
+              executable: str | None = None) -> Completed:
+    """Run `argv`, capture stdout/stderr; `fds` maps child fd number -> parent fd to place there.
+    `executable` (an absolute path) is run instead of looking `argv[0]` up on PATH."""
     loop = asyncio.get_running_loop()
     out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -69,7 +71,10 @@ async def run(argv: list[str], *, fds: dict[int, int] | None = None, timeout: fl
             extra_dups.append(parent_fd)
         actions.append((os.POSIX_SPAWN_DUP2, parent_fd, child_fd))
     try:
-        pid = os.posix_spawnp(argv[0], argv, env if env is not None else os.environ, file_actions=actions)
+        if executable is not None:
+            pid = os.posix_spawn(executable, argv, env if env is not None else os.environ, file_actions=actions)
+        else:
+            pid = os.posix_spawnp(argv[0], argv, env if env is not None else os.environ, file_actions=actions)
     finally:
         os.close(out_w)
         os.close(err_w)
