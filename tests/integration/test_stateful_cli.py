@@ -5,8 +5,8 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
-import select
 import secrets
+import select
 import signal
 import struct
 import subprocess
@@ -138,3 +138,19 @@ def test_node_swap_status() -> None:
     assert b'"swap"' in r.stdout and b'"zram"' in r.stdout
     r = _shoal("node", "swap", "--zram", "1X")
     assert r.returncode == 1 and b"bad size" in b" ".join(r.stderr.split())
+
+
+def test_node_swap_on_and_off() -> None:
+    from shoal.node import reclaim
+
+    if reclaim.swap_active():
+        pytest.skip("the host already has swap; not turning it off")
+    try:
+        r = _shoal("node", "swap", "--zram", "256M")
+        assert r.returncode == 0, r.stderr
+        assert b"zram swap on" in r.stderr and b"/dev/zram" in r.stdout
+        assert reclaim.swap_active()
+    finally:
+        r = _shoal("node", "swap", "--off")
+    assert r.returncode == 0 and b"zram swap off" in r.stderr
+    assert not reclaim.swap_active()

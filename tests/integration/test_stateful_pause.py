@@ -219,3 +219,23 @@ def test_close_during_pause_does_not_deadlock(shoal_home: Path, base_image: str)
     t.join(60)
     assert not t.is_alive(), "close() and pause() deadlocked"
     assert result["leftovers"] == []
+
+
+@pytest.mark.slow
+async def test_node_sets_up_configured_zram_swap(shoal_home: Path, base_image: str) -> None:
+    from shoal.config import NodeConfig
+    from shoal.node.node import Node
+
+    if reclaim.swap_active():
+        pytest.skip("the host already has swap; this test only checks that the node turns it on")
+    node = Node(NodeConfig(zram_swap="256M"))
+    try:
+        await node.start(reap=False, reconcile=False)
+        zs = [z for z in reclaim.zram_devices() if z.swap]
+        assert zs and zs[0].disksize == 256 << 20
+        await node.start()  # idempotent
+        assert len([z for z in reclaim.zram_devices() if z.swap]) == 1
+    finally:
+        await node.stop()
+        reclaim.teardown_zram_swap()
+    assert not reclaim.swap_active()
