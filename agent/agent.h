@@ -100,6 +100,8 @@ struct conn {
 	uint8_t is_serial;
 	uint8_t paused_out;    /* some producer waits for `out` to drain below OUT_LOW */
 	uint8_t dead;
+	uint8_t hung;          /* serial: the host hung up; reading resumes after a pause */
+	uint8_t broken;        /* serial: the device failed (EIO...): close and reopen it */
 	int in_block;          /* sinks over SINK_HIGH: stop reading frames */
 	struct stream *streams;
 };

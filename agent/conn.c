@@ -11,8 +11,10 @@
 #include "agent.h"
 
 struct conn *g_conns;
+static uint8_t g_scratch_conn[4096];
 
-void serial_lost(void);   /* main.c */
+void serial_lost(void);           /* main.c: the device is gone, reopen it */
+void serial_hangup(struct conn *c); /* main.c: resume reading this conn later */
 void conn_kick(struct conn *c);
 
 const char *errno_code(int e)
@@ -163,13 +165,17 @@ void stream_end(struct stream *st)
 
 static int conn_can_read(struct conn *c)
 {
-	return !c->dead && !c->closing && c->in_block == 0 && c->out.len < OUT_HARD;
+	return !c->dead && !c->hung && !c->closing && c->in_block == 0 && c->out.len < OUT_HARD;
 }
 
 void conn_update(struct conn *c)
 {
 	if (c->dead)
 		return;
+	if (c->hung) {
+		src_want(&c->s, 0);
+		return;
+	}
 	uint32_t ev = 0;
 	if (conn_can_read(c))
 		ev |= EPOLLIN;
@@ -185,11 +191,9 @@ void conn_update(struct conn *c)
 		conn_kick(c); /* a frame was already buffered while we were paused */
 }
 
-void conn_close(struct conn *c)
+/* The client is gone: what its streams started keeps running, unattended. */
+static void conn_detach_streams(struct conn *c)
 {
-	if (c->dead)
-		return;
-	c->dead = 1;
 	struct stream *st, *nx;
 	for (st = c->streams; st; st = nx) {
 		nx = st->next;
@@ -202,6 +206,41 @@ void conn_close(struct conn *c)
 		free(st);
 	}
 	c->streams = NULL;
+}
+
+/* A serial line is never closed for a hangup or a protocol error: closing a virtio-serial
+ * port discards what the host sends meanwhile (its next hello). The logical connection ends;
+ * the device stays open and is read again after a pause (the hangup is level-triggered). */
+static void serial_reset(struct conn *c)
+{
+	conn_detach_streams(c);
+	buf_free(&c->in);
+	buf_free(&c->out);
+	c->authed = g_token == NULL;
+	c->closing = 0;
+	c->paused_out = 0;
+	c->in_block = 0;
+	/* Bytes still unread belong to the connection that ended: drop them. */
+	for (int i = 0; i < 64; i++) {
+		ssize_t n = read(c->s.fd, g_scratch_conn, sizeof g_scratch_conn);
+		if (n <= 0 && !(n < 0 && errno == EINTR))
+			break;
+	}
+	c->hung = 1;
+	src_want(&c->s, 0);
+	serial_hangup(c);
+}
+
+void conn_close(struct conn *c)
+{
+	if (c->dead)
+		return;
+	if (c->is_serial && !c->broken) {
+		serial_reset(c);
+		return;
+	}
+	c->dead = 1;
+	conn_detach_streams(c);
 	src_close(&c->s);
 	for (struct conn **pp = &g_conns; *pp; pp = &(*pp)->next) {
 		if (*pp == c) {
@@ -234,6 +273,8 @@ void conn_flush(struct conn *c)
 			continue;
 		if (n < 0 && errno == EAGAIN)
 			break;
+		if (n < 0 && errno != EPIPE && errno != ECONNRESET)
+			c->broken = 1;
 		conn_close(c);
 		return;
 	}
@@ -431,6 +472,8 @@ static void conn_read(struct conn *c)
 			continue;
 		if (n < 0 && errno == EAGAIN)
 			return;
+		if (n < 0 && errno != ECONNRESET)
+			c->broken = 1; /* serial: EIO and the like mean the device itself failed */
 		conn_close(c); /* EOF or error: the client is gone */
 		return;
 	}
@@ -446,7 +489,10 @@ void conn_on_event(struct conn *c, uint32_t ev)
 		conn_read(c);
 	} else if (ev & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
 		/* Hangup while we are not reading: nothing more can arrive or be delivered. */
-		if (!conn_can_read(c) || (ev & (EPOLLHUP | EPOLLERR)))
+		if (!conn_can_read(c) || (ev & (EPOLLHUP | EPOLLERR))) {
+			if (ev & EPOLLERR)
+				c->broken = 1;
 			conn_close(c);
+		}
 	}
 }

@@ -35,6 +35,8 @@ static struct src g_sigsrc = {.fd = -1};
 static const char *g_listen_path;
 static const char *g_serial_path;
 static int64_t g_serial_reopen_at = -1;
+static struct conn *g_serial_conn;       /* hung up, waiting for g_serial_resume_at */
+static int64_t g_serial_resume_at = -1;
 static int g_kicked;
 static int64_t g_accept_resume_at = -1;
 
@@ -74,9 +76,18 @@ static void serial_open(void)
 
 void serial_lost(void)
 {
-	/* The host side hung up (virtio-serial reports POLLHUP until it reconnects): retry later
-	 * rather than spin on the hangup. */
+	/* The device failed (e.g. the PTY standing in for it lost its master): reopen it later. */
+	g_serial_conn = NULL;
+	g_serial_resume_at = -1;
 	g_serial_reopen_at = now_ms() + 100;
+}
+
+void serial_hangup(struct conn *c)
+{
+	/* The host hung up (virtio-serial keeps reporting POLLHUP until it reconnects): look
+	 * again in a while rather than spin on the hangup. */
+	g_serial_conn = c;
+	g_serial_resume_at = now_ms() + 100;
 }
 
 /* ---------- signals ---------- */
@@ -137,6 +148,36 @@ static void on_signals(void)
 	}
 	if (chld)
 		reap();
+}
+
+/* ---------- timers ---------- */
+
+/* The earlier of two deadlines, where -1 means none. */
+static int64_t earliest(int64_t a, int64_t b)
+{
+	if (a < 0)
+		return b;
+	if (b < 0)
+		return a;
+	return a < b ? a : b;
+}
+
+/* Deadlines of the loop itself (not of execs and shells) that are due. */
+static void misc_timers(int64_t now)
+{
+	if (g_accept_resume_at >= 0 && now >= g_accept_resume_at) {
+		g_accept_resume_at = -1;
+		src_want(&g_listen, EPOLLIN);
+	}
+	if (g_serial_conn && g_serial_resume_at >= 0 && now >= g_serial_resume_at) {
+		struct conn *sc = g_serial_conn;
+		g_serial_conn = NULL;
+		g_serial_resume_at = -1;
+		sc->hung = 0;
+		conn_update(sc);
+	}
+	if (g_serial_path && g_serial_reopen_at >= 0 && now >= g_serial_reopen_at)
+		serial_open();
 }
 
 /* ---------- setup ---------- */
@@ -363,24 +404,8 @@ int main(int argc, char **argv)
 		/* Timers run after the events and before the flush, so whatever they answer (an
 		 * exec's RESP after its grace period) goes out in this iteration. */
 		int64_t now = now_ms();
-		int64_t next = exec_timers(now);
-		int64_t n2 = shell_timers(now);
-		if (n2 >= 0 && (next < 0 || n2 < next))
-			next = n2;
-		if (g_accept_resume_at >= 0) {
-			if (now >= g_accept_resume_at) {
-				g_accept_resume_at = -1;
-				src_want(&g_listen, EPOLLIN);
-			} else if (next < 0 || g_accept_resume_at < next) {
-				next = g_accept_resume_at;
-			}
-		}
-		if (g_serial_path && g_serial_reopen_at >= 0) {
-			if (now >= g_serial_reopen_at)
-				serial_open();
-			if (g_serial_reopen_at >= 0 && (next < 0 || g_serial_reopen_at < next))
-				next = g_serial_reopen_at;
-		}
+		int64_t next = earliest(exec_timers(now), shell_timers(now));
+		misc_timers(now);
 		/* Frames queued above go out now, coalesced per connection. */
 		struct conn *c, *nx;
 		for (c = g_conns; c; c = nx) {
@@ -388,6 +413,10 @@ int main(int argc, char **argv)
 			if (c->out.len)
 				conn_flush(c);
 		}
+		/* The flush itself may arm a timer (a serial line that hung up): deadlines are
+		 * collected only now, or epoll_wait could sleep past them. */
+		next = earliest(next, earliest(g_accept_resume_at, earliest(g_serial_resume_at,
+		                                                            g_serial_reopen_at)));
 		if (g_kicked)
 			timeout = 0;
 		else if (next < 0)

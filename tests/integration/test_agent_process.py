@@ -993,6 +993,14 @@ async def test_serial_mode_over_a_pty(tmp_path: Path) -> None:
         writer = asyncio.StreamWriter(wt, wp, reader, loop)
         # The agent switches the line to raw mode on open; give it a moment before talking.
         await asyncio.sleep(0.2)
+        # A framing error ends the logical connection but not the line: after ERR on stream 0
+        # the agent drops what it had buffered, and a new hello works on the same device.
+        writer.write(struct.pack(">IBI", F.MAX_PAYLOAD + 6, F.REQ, 9))
+        dec = F.FrameDecoder()
+        got: list[F.Frame] = []
+        while not any(f.type == F.ERR and f.stream == 0 for f in got):
+            got += dec.feed(await asyncio.wait_for(reader.read(4096), 5))
+        await asyncio.sleep(0.3)  # reading resumes after a short pause
         c = await AgentClient.connect_stream(reader, writer, timeout=5)
         data = bytes(range(256)) * 64
         r = await c.exec(["cat"], stdin=data, max_output=0)
