@@ -69,6 +69,29 @@ def check_overlay() -> Check:
     return Check("overlayfs", ok, "available" if ok else "missing", "" if ok else "modprobe overlay")
 
 
+def check_disk_limits() -> Check:
+    """Can sandboxes' writable layers be size-limited (btrfs qgroups on the upper pool)?"""
+    if "btrfs" not in Path("/proc/filesystems").read_text():
+        return Check("disk limits", False, "kernel has no btrfs: disk_mb is not enforced",
+                     "use a kernel with CONFIG_BTRFS_FS")
+    if not shutil.which("mkfs.btrfs"):
+        return Check("disk limits", False, "mkfs.btrfs missing: disk_mb is not enforced", "apt-get install btrfs-progs")
+    return Check("disk limits", True, "btrfs qgroup per sandbox on a loop-mounted pool ($SHOAL_HOME/uppers)")
+
+
+def check_swap() -> Check:
+    """Is there swap for reclaiming paused sandboxes' anonymous memory?"""
+    try:
+        lines = Path("/proc/swaps").read_text().splitlines()[1:]
+    except OSError:
+        lines = []
+    if not lines:
+        return Check("swap", False, "no swap: pause reclaims only page cache, not anonymous memory",
+                     "shoal node swap --zram 8G")
+    devs = ", ".join(ln.split()[0] for ln in lines)
+    return Check("swap", True, f"{devs}: paused sandboxes' memory can be reclaimed")
+
+
 def check_kvm() -> Check:
     """Is KVM usable for the microvm/vm backends (not just present)?"""
     try:
@@ -115,6 +138,8 @@ def run_checks(paths: Paths | None = None, fix: bool = False) -> list[Check]:
             out.append(Check(f"runtime:{name}", st.works, detail, st.fix))
     except Exception as e:
         out.append(Check("agent", False, str(e), "make agent"))
+    out.append(check_disk_limits())
+    out.append(check_swap())
     out.append(check_kvm())
     for tool, pkg in [("mmdebstrap", "mmdebstrap"), ("qemu-system-x86_64", "qemu-system-x86"),
                       ("skopeo", "skopeo"), ("nft", "nftables"), ("ip", "iproute2")]:
