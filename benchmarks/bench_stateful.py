@@ -272,7 +272,8 @@ async def run_snapshot_bench(change_mb: int = 50, reps: int = 3, client: shoal.C
                 frozen.append(img["frozen_s"])
                 sizes.append(img["diff_bytes"])
         finally:
-            await sb.close()
+            with contextlib.suppress(shoal.ShoalError):
+                await sb.close()
             store = c.transport.node.store
             for nm in names:
                 with contextlib.suppress(Exception):
@@ -309,7 +310,7 @@ async def run_fork_bench(n: int = 100, change_mb: int = 10, memory_mb: int = 256
             fresh_s = time.monotonic() - t0
             await _gather_bounded([k.close() for k in fresh if not isinstance(k, Exception)], 16)
             t0 = time.monotonic()
-            forked = await parent.fork(min(n, 8), memory_mb=memory_mb)
+            forked = await parent.fork(min(n, 8), name=f"{name}-8", memory_mb=memory_mb)
             fork8_s = time.monotonic() - t0
             await _gather_bounded([k.close() for k in forked], 16)
             out.update(snapshot_s=round(snap_s, 3), layer_mib=round(img["diff_bytes"] / 2**20, 1),
@@ -318,9 +319,11 @@ async def run_fork_bench(n: int = 100, change_mb: int = 10, memory_mb: int = 256
                        fresh_base_ready_s=round(fresh_s, 3), snapshot_plus_children_s=round(snap_s + children_s, 3),
                        fork8_total_s=round(fork8_s, 3))
         finally:
-            await parent.close()
-            with contextlib.suppress(Exception):
-                c.transport.node.store.remove_image(name)
+            with contextlib.suppress(shoal.ShoalError):
+                await parent.close()
+            for nm in (name, f"{name}-8"):
+                with contextlib.suppress(Exception):
+                    c.transport.node.store.remove_image(nm)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pty
@@ -116,7 +117,7 @@ def test_pause_resume_snapshot_fork_commands(sandbox_id: str) -> None:
         r = _shoal("snapshot", sandbox_id, name)
         assert r.returncode == 0, r.stderr
         assert name.encode() in r.stdout
-        r = _shoal("fork", sandbox_id, "-n", "2")
+        r = _shoal("fork", sandbox_id, "-n", "2", "--name", name + "-fork")
         assert r.returncode == 0, r.stderr
         kids = r.stdout.decode().split()
         assert len(kids) == 2
@@ -129,7 +130,10 @@ def test_pause_resume_snapshot_fork_commands(sandbox_id: str) -> None:
     finally:
         if kids:
             _shoal("rm", *kids)
-        ImageStore(Paths.from_env().store).remove_image(name)
+        store = ImageStore(Paths.from_env().store)
+        for ref in (name, name + "-fork"):
+            with contextlib.suppress(Exception):
+                store.remove_image(ref)
 
 
 def test_node_swap_status() -> None:
