@@ -187,7 +187,7 @@ async def _grade_in(sb: Sandbox, task: SWETask, patch: str, partial: bool, limit
                      duration_s=time.monotonic() - t0, log=_tail(str(r.stdout) + str(r.stderr)), infra_error=True)
     phases["apply"] += time.monotonic() - t
     t = time.monotonic()
-    files = " ".join(shlex.quote(f) for f in task.test_files)
+    files = " ".join(shlex.quote(f) for f in task.test_targets)
     cmd = (f"export PYTHONPATH={GRADE_DIR}${{PYTHONPATH:+:$PYTHONPATH}} PYTEST_PLUGINS=shoal_pytest_report "
            f"SHOAL_PYTEST_REPORT={GRADE_DIR}/report.jsonl PYTHONDONTWRITEBYTECODE=1\n"
            f"rm -f {GRADE_DIR}/report.jsonl\n"

@@ -119,6 +119,8 @@ class SWETask:
     hints_text: str = ""
     workdir: str = DEFAULT_WORKDIR
     test_cmd: str = DEFAULT_TEST_CMD
+    #: what to pass to test_cmd (SWE-bench's "test directives"); empty: the test files (see `test_targets`)
+    test_directives: list[str] = field(default_factory=list)
     timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -147,6 +149,11 @@ class SWETask:
             if f not in out and _is_test_file(f):
                 out.append(f)
         return out
+
+    @property
+    def test_targets(self) -> list[str]:
+        """The arguments the grader passes to test_cmd: the directives if given, else the test files."""
+        return list(self.test_directives) or self.test_files
 
     def prompt(self) -> str:
         """What the agent is told at the start of an episode."""
@@ -224,11 +231,13 @@ class SWETask:
         meta = d.get("metadata") or {}
         if not isinstance(meta, dict):
             raise _err(tid, source, "metadata", "must be an object")
+        directives = parse_test_list(d.get("test_directives"), task_id=tid, fld="test_directives", source=source)
         return cls(instance_id=tid, image=image, problem_statement=statement, test_patch=test_patch,
                    FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, patch=patch, repo=text("repo"),
                    base_commit=text("base_commit"), version=str(d.get("version") or ""),
                    hints_text=text("hints_text"), workdir=workdir,
-                   test_cmd=text("test_cmd") or DEFAULT_TEST_CMD, timeout_s=float(timeout), env=dict(env),
+                   test_cmd=text("test_cmd") or DEFAULT_TEST_CMD, test_directives=directives,
+                   timeout_s=float(timeout), env=dict(env),
                    metadata=dict(meta))
 
 

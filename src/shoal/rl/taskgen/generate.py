@@ -47,7 +47,10 @@ if TYPE_CHECKING:
     from shoal.images.store import Image
     from shoal.node.node import Node
 
-GEN_VERSION = 3
+#: bump when task images or records change shape (invalidates cached task sets and task images)
+GEN_VERSION = 5
+#: bump when a mutant's verdict could change (invalidates cached baselines and verdicts)
+VERDICT_VERSION = 1
 GEN_DIR = "/tmp/.shoal-gen"
 Log = Callable[[str], None]
 
@@ -79,8 +82,8 @@ class GenerationReport:
     images: dict[str, str] = field(default_factory=dict)
 
 
-def _h(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps([GEN_VERSION, *parts], sort_keys=True, default=str).encode()).hexdigest()
+def _h(*parts: Any, version: int = GEN_VERSION) -> str:
+    return hashlib.sha256(json.dumps([version, *parts], sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _slug(s: str) -> str:
@@ -173,7 +176,7 @@ async def _evaluate_project(node: Node, ws: Image, project: Project, tr: TaskRec
     for rel, text in sources.items():
         cands += find_mutations(rel, text, cfg.operators)
     picked = sample_mutations(cands, cfg.max_candidates, f"{cfg.seed}:{project.name}")
-    run_key = _h(ws.digest, project.test_args, cfg.test_timeout_s)
+    run_key = _h(ws.digest, project.test_args, cfg.test_timeout_s, version=VERDICT_VERSION)
     store = node.store
     kept: list[tuple[Mutation, str, _Verdict]] = []
     sid: str | None = None
@@ -189,7 +192,7 @@ async def _evaluate_project(node: Node, ws: Image, project: Project, tr: TaskRec
         return sid
 
     try:
-        bkey = _h("baseline", run_key)
+        bkey = _h("baseline", run_key, version=VERDICT_VERSION)
         hit = None if no_cache else store.cache_get("rl-mutants", bkey)
         if hit and isinstance(hit.get("passing"), list):
             base_pass = set(hit["passing"])
@@ -214,7 +217,8 @@ async def _evaluate_project(node: Node, ws: Image, project: Project, tr: TaskRec
             if not check_mutant(original, mutated):
                 continue
             report.tried += 1
-            mkey = _h("mutant", run_key, mut.to_dict(), cfg.min_fail_to_pass, cfg.max_fail_to_pass)
+            mkey = _h("mutant", run_key, mut.to_dict(), cfg.min_fail_to_pass, cfg.max_fail_to_pass,
+                      version=VERDICT_VERSION)
             hit = None if no_cache else store.cache_get("rl-mutants", mkey)
             if hit is not None and "ok" in hit:
                 v = _Verdict(hit["ok"], hit.get("reason", ""), hit.get("f2p", []), hit.get("still", []),
@@ -270,7 +274,9 @@ async def _make_task(node: Node, ws: Image, project: Project, tr: TaskRecipe, mu
             project, mut, v.failure, len(v.f2p), tr.mutations.hint),
         test_patch=patches["test_patch"], FAIL_TO_PASS=list(v.f2p), PASS_TO_PASS=p2p, patch=patches["patch"],
         repo=project.name, base_commit=commit, version=project.version, workdir=project.workdir,
-        test_cmd=DEFAULT_TEST_CMD, timeout_s=float(tr.mutations.test_timeout_s) * 2,
+        # run exactly the graded tests: the same verdict as running their files, at a fraction of the cost
+        test_cmd=DEFAULT_TEST_CMD, test_directives=sorted(v.f2p + p2p),
+        timeout_s=float(tr.mutations.test_timeout_s) * 2,
         metadata={"generator": "shoal.rl.taskgen", "operator": mut.operator, "function": mut.function,
                   "file": mut.file, "line": mut.lineno, "mutation": mut.to_dict(), "workspace": ws.ref,
                   "hidden_files": f2p_files})
