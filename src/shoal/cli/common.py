@@ -13,7 +13,8 @@ from rich.console import Console
 from shoal.errors import ShoalError
 
 console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: error messages stay on one line (no breaks inside words or paths) whatever the terminal width
+err_console = Console(stderr=True, soft_wrap=True)
 T = TypeVar("T")
 
 
