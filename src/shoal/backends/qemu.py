@@ -81,6 +81,9 @@ class MachineConfig:
     network: bool = False
     balloon: bool = True
     tb_mb: int = 0  # TCG translation cache (0 = QEMU's default)
+    #: "memfd": guest RAM in a memfd (shmem: no transparent huge pages, so an idle guest's scattered pages
+    #: are not rounded up to 2 MiB each); "anon": QEMU's default anonymous memory (THP where enabled)
+    ram: str = "memfd"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for the record."""
@@ -89,7 +92,7 @@ class MachineConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MachineConfig:
         """Inverse of to_dict."""
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         d["drives"] = [Drive(**x) for x in d.get("drives", [])]
         return cls(**d)
 
@@ -128,6 +131,9 @@ def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False)
         "-qmp", f"unix:{f['qmp']},server=on,wait=off",
         "-pidfile", str(f["pid"]), "-daemonize",
     ]
+    if cfg.ram == "memfd":
+        argv += ["-object", f"memory-backend-memfd,id=ram0,size={cfg.memory_mb}M,share=on",
+                 "-machine", "memory-backend=ram0"]
     if cfg.initrd:
         argv += ["-initrd", cfg.initrd]
     for drv in cfg.drives:

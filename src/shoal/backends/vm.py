@@ -56,7 +56,8 @@ from shoal.errors import (
 )
 from shoal.images.store import Image
 from shoal.models import SandboxInfo, SandboxSpec
-from shoal.node.records import SandboxRecord, my_identity, new_sandbox_id
+from shoal.node.records import SandboxRecord, my_identity, new_sandbox_id, validate_labels
+from shoal.node.statelock import sandbox_state_lock
 
 if TYPE_CHECKING:
     from shoal.node.node import Node
@@ -72,6 +73,12 @@ def _env_float(name: str, default: float) -> float:
         return float(os.environ.get(name, "") or default)
     except ValueError:
         return default
+
+
+def _extra_cmdline() -> str:
+    """SHOAL_VM_EXTRA_CMDLINE: arguments appended to the guest kernel's command line (debugging, tests)."""
+    extra = os.environ.get("SHOAL_VM_EXTRA_CMDLINE", "").strip()
+    return f" {extra}" if extra else ""
 
 
 # ---- the agent connection ------------------------------------------------------------------------
@@ -214,47 +221,53 @@ class QemuVmBackend(Backend):
     # ---- create
     async def create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
         """Boot one VM and wait until its agent answers; on any error nothing is left behind."""
-        qemu = find_qemu()
-        d = rec.path
-        check_socket_paths(d)
+        try:
+            await self._create(rec, spec, image)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.destroy(rec)
+            raise
+
+    def _check(self, spec: SandboxSpec, image: Image) -> None:
         if spec.memory_mb < MIN_VM_MEMORY_MB:
             raise InvalidRequest(f"memory_mb={spec.memory_mb} is too small for a VM: give it at least "
                                  f"{MIN_VM_MEMORY_MB} MiB (the guest kernel alone needs ~60 MiB)")
-        if spec.network and self.machine == "microvm" and len(image.layers) + 4 > MICROVM_MMIO_SLOTS:
-            raise InvalidRequest("too many layers for a networked microVM")
-        if len(image.layers) + 3 > MICROVM_MMIO_SLOTS and self.machine == "microvm":
-            raise InvalidRequest(
-                f"image {image.ref} has {len(image.layers)} layers; a microVM attaches one disk per layer and has "
-                f"{MICROVM_MMIO_SLOTS} virtio-mmio slots (at most {MICROVM_MMIO_SLOTS - 3} layers): "
-                "squash the image or use backend='container'")
+        if self.machine == "microvm":
+            fixed = 3 + (1 if spec.network else 0)  # agent port, balloon, writable disk, network
+            if len(image.layers) + fixed > MICROVM_MMIO_SLOTS:
+                raise InvalidRequest(
+                    f"image {image.ref} has {len(image.layers)} layers; a microVM attaches one disk per layer and "
+                    f"has {MICROVM_MMIO_SLOTS} virtio-mmio slots ({MICROVM_MMIO_SLOTS - fixed} for layers here): "
+                    "squash the image or use backend='container'")
+
+    async def _create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
+        self._check(spec, image)
+        qemu = find_qemu()
+        d = rec.path
+        check_socket_paths(d)
         accel = self.accel()
         env = dict(image.config.env)
         env.update(spec.env)
         hostname = spec.hostname or "sandbox"
         env.setdefault("HOSTNAME", hostname)
         t0 = time.monotonic()
-        try:
-            cfg = await self._machine_config(rec, spec, image, accel, hostname)
-            t1 = time.monotonic()
-            rec.runtime = f"qemu-{self.machine}"
-            rec.extra.update(vmm="qemu", machine=self.machine, accel=accel, vm=cfg.to_dict(), env=env)
-            rec.save()
-            pid, start = await launch(qemu_argv(qemu, cfg, d), d)
-            rec.init_pid, rec.init_start = pid, start
-            rec.save()
-            t2 = time.monotonic()
-            client = await connect_agent(d, env, timeout=self.boot_timeout(), alive=rec.init_alive,
-                                         fresh_boot=True, what=f"the {self.name} {rec.id}")
-            self._booted[rec.id] = client
-            t3 = time.monotonic()
-            rec.extra["boot_s"] = round(t3 - t0, 3)
-            rec.extra["boot_phases_s"] = {"prepare": round(t1 - t0, 3), "qemu_start": round(t2 - t1, 3),
-                                          "guest_boot_to_agent": round(t3 - t2, 3)}
-            rec.save()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.destroy(rec)
-            raise
+        cfg = await self._machine_config(rec, spec, image, accel, hostname)
+        t1 = time.monotonic()
+        rec.runtime = f"qemu-{self.machine}"
+        rec.extra.update(vmm="qemu", machine=self.machine, accel=accel, vm=cfg.to_dict(), env=env)
+        rec.save()
+        pid, start = await launch(qemu_argv(qemu, cfg, d), d)
+        rec.init_pid, rec.init_start = pid, start
+        rec.save()
+        t2 = time.monotonic()
+        client = await connect_agent(d, env, timeout=self.boot_timeout(), alive=rec.init_alive,
+                                     fresh_boot=True, what=f"the {self.name} {rec.id}")
+        self._booted[rec.id] = client
+        t3 = time.monotonic()
+        rec.extra["boot_s"] = round(t3 - t0, 3)
+        rec.extra["boot_phases_s"] = {"prepare": round(t1 - t0, 3), "qemu_start": round(t2 - t1, 3),
+                                      "guest_boot_to_agent": round(t3 - t2, 3)}
+        rec.save()
 
     async def _machine_config(self, rec: SandboxRecord, spec: SandboxSpec, image: Image, accel: str,
                               hostname: str) -> MachineConfig:
@@ -279,6 +292,7 @@ class QemuVmBackend(Backend):
             if accel == "tcg" and (khz := host_tsc_khz()):
                 # microvm has no PIT calibration path: tell the kernel the TSC rate (TCG passes the host's)
                 cmdline += f" tsc_early_khz={khz}"
+            cmdline += _extra_cmdline()
             return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(guest.kernel), str(guest.initrd),
                                  cmdline, drives, network=bool(spec.network), tb_mb=tb)
         disk = await asyncio.to_thread(vm_images.ensure_vm_disk, self.paths, image, self.node.layer_mounts,
@@ -294,7 +308,7 @@ class QemuVmBackend(Backend):
         if r.returncode != 0:
             raise SandboxError(f"qemu-img create failed: {r.stderr.decode(errors='replace').strip()}")
         cmdline = (f"root=/dev/vda rw console=ttyS0 panic=-1{quiet} systemd.hostname={hostname} "
-                   "systemd.show_status=false")
+                   "systemd.show_status=false" + _extra_cmdline())
         return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(disk.kernel),
                              str(disk.initrd) if disk.initrd else None, cmdline,
                              [Drive("root", str(root), "qcow2", False, "shoal-root")],
@@ -331,14 +345,28 @@ class QemuVmBackend(Backend):
 
     # ---- pause / resume
     async def pause(self, rec: SandboxRecord) -> None:
-        """Inflate the balloon (the guest hands its spare memory back to the host), then stop the vCPUs."""
+        """Give the guest's spare memory back to the host, then stop the vCPUs.
+
+        The guest first drops its clean page cache (one agent exec), so the balloon then takes free
+        pages only and inflates fast; whatever the guest cannot free stays (deflate-on-oom)."""
         cfg = MachineConfig.from_dict(rec.extra["vm"])
+        target = None
+        if cfg.balloon:
+            c = self.node._clients.get(rec.id)
+            if c is not None and not c.closed:
+                with contextlib.suppress(ShoalError, KeyError, ValueError, IndexError):
+                    r = await c.exec(["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches; cat /proc/meminfo"],
+                                     timeout=10)
+                    info = {ln.split(":")[0]: int(ln.split()[1]) for ln in r.stdout.decode().splitlines()}
+                    used_mb = (info["MemTotal"] - info["MemAvailable"]) >> 10
+                    target = used_mb + 32
+            if target is None:
+                target = int(_env_float("SHOAL_VM_PAUSE_BALLOON_MB", cfg.memory_mb // 8))
+            target = min(max(64, target), cfg.memory_mb)
         async with qmp(rec.path) as q:
-            if cfg.balloon:
-                target = max(64, int(_env_float("SHOAL_VM_PAUSE_BALLOON_MB", cfg.memory_mb // 8)))
-                target = min(target, cfg.memory_mb)
+            if target is not None and target < cfg.memory_mb:
                 with contextlib.suppress(ShoalError):
-                    await self._balloon_to(q, target, timeout=_env_float("SHOAL_VM_BALLOON_WAIT_S", 3.0))
+                    await self._balloon_to(q, target, timeout=_env_float("SHOAL_VM_BALLOON_WAIT_S", 5.0))
             await q.execute("stop")
 
     @staticmethod
@@ -353,7 +381,7 @@ class QemuVmBackend(Backend):
             if actual <= target_mb + 4:
                 break
             still = still + 1 if actual == last else 0
-            if still >= 5:
+            if still >= 3:
                 break  # the guest cannot give more (its processes use it): good enough
             last = actual
             await asyncio.sleep(0.1)
@@ -456,7 +484,7 @@ async def snapshot_vm(node: Node, sandbox_id: str, name: str) -> dict[str, Any]:
     tmp = root / f".new-{name}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
-        with node._sandbox_lock(sandbox_id):
+        async with sandbox_state_lock(node, sandbox_id):
             rec = node.record(sandbox_id)
             _qemu_backend(node, rec)
             if rec.state not in ("running", "paused"):
@@ -600,22 +628,34 @@ async def restore_vm_snapshot(node: Node, name: str, n: int = 1,
 
 
 async def fork_vm(node: Node, sandbox_id: str, n: int, concurrency: int | None = None,
-                  **_: Any) -> list[SandboxInfo | ShoalError]:
+                  **overrides: Any) -> list[SandboxInfo | ShoalError]:
     """`n` children of a running VM, each resumed from one memory snapshot: the parent's processes keep
-    running in every child (same PIDs, same memory), the parent continues untouched."""
+    running in every child (same PIDs, same memory), the parent continues untouched.
+
+    `labels` and `ttl_s` may be overridden; the machine (cpus, memory) is the parent's by nature."""
     _check_n(n)
+    overrides = {k: v for k, v in overrides.items() if v is not None and k not in ("memory", "name")}
+    bad = sorted(set(overrides) - {"labels", "ttl_s"})
+    if bad:
+        raise InvalidRequest(f"a VM fork resumes the parent's memory, so {', '.join(bad)} cannot change "
+                             "(only labels and ttl_s can)")
     root = snapshots_dir(node)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".fork-{sandbox_id}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
-        with node._sandbox_lock(sandbox_id):
+        async with sandbox_state_lock(node, sandbox_id):
             rec = node.record(sandbox_id)
             _qemu_backend(node, rec)
             if rec.state not in ("running", "paused"):
                 raise SandboxError(f"cannot fork sandbox {sandbox_id}: it is {rec.state}")
             saved = await _save(rec, tmp)
         meta = _snapshot_meta(rec, f"fork-of-{sandbox_id}", saved)
+        if "labels" in overrides:
+            validate_labels(overrides["labels"])
+            meta["labels"] = {**(meta.get("labels") or {}), **dict(overrides["labels"])}
+        if "ttl_s" in overrides:
+            meta["spec"] = {**meta["spec"], "ttl_s": overrides["ttl_s"]}
         return await _restore_many(node, tmp, meta, n, concurrency)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
