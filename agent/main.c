@@ -215,18 +215,23 @@ static int read_token(const char *path)
 
 static int listen_path(const char *path)
 {
-	struct sockaddr_un a = {.sun_family = AF_UNIX};
-	if (strlen(path) >= sizeof a.sun_path) {
+	/* Bind under a temporary name and rename once listening: whoever waits for PATH to
+	 * appear can connect at once (between bind and listen it would be refused). */
+	char tmp[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	if (snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid()) >= (int)sizeof tmp) {
 		errno = ENAMETOOLONG;
 		return -1;
 	}
-	strcpy(a.sun_path, path);
+	struct sockaddr_un a = {.sun_family = AF_UNIX};
+	strcpy(a.sun_path, tmp);
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -1;
-	unlink(path);
-	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0) {
+	unlink(tmp);
+	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0 ||
+	    rename(tmp, path) < 0) {
 		int e = errno;
+		unlink(tmp);
 		close(fd);
 		errno = e;
 		return -1;
