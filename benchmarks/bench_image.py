@@ -74,6 +74,11 @@ def main() -> int:
               pct("written_raw_shoal_over_docker"))
     t.add_row("disk space allocated per sandbox", _kib(s["allocated_bytes"]), _kib(d.get("allocated_bytes")),
               pct("allocated_shoal_over_docker"))
+    v = res["writes"].get("shoal_no_disk_limits")
+    if v:
+        dw = d.get("bytes_written")
+        t.add_row("  written, without disk limits (SHOAL_DISK_LIMITS=0)", _kib(v["bytes_written"]), "",
+                  "-" if not dw else f"{v['bytes_written'] / dw:.2%}")
     t.add_row("create one (median)", f"{s['create_s_median'] * 1000:.0f} ms",
               f"{d['docker_run_s_median'] * 1000:.0f} ms" if "docker_run_s_median" in d else "-", "")
     if "error" in d:

@@ -6,10 +6,11 @@
   The layer is a private *copy* (its own inode, its own page cache) so nobody else's reads count.
 - mount time: mounting a layer (LayerMounts.acquire) with a cold and a warm page cache, file-backed and
   through a loop device.
-- disk writes: bytes written to the disk that holds SHOAL_HOME per new sandbox, from the block device's
-  stat counters (sync before and after; the idle write rate of the machine measured alongside and
-  subtracted), plus the space the sandbox allocates on disk (noise-free). The same for `docker run`
-  of the same image tree (`docker import`), when Docker is available or allowed to be installed.
+- disk writes: bytes written per new sandbox, from the block-device counters of a private ext4
+  filesystem (on a loop device) that holds SHOAL_HOME — so nothing else on the host blurs them — with
+  a sync before and after; plus the growth of allocated space. The same for `docker run` of the same
+  image tree (`docker import`) with Docker's data root on that filesystem, when Docker is available
+  or allowed to be installed.
 
 Use `await run_image_bench()` (for `shoal bench image`) or `python benchmarks/bench_image.py`.
 """
@@ -93,9 +94,12 @@ def allocated_bytes(root: Path) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
     try:
-        dev = os.lstat(root).st_dev
+        st = os.lstat(root)
     except FileNotFoundError:
         return 0
+    if not os.path.isdir(root) or os.path.islink(root):
+        return st.st_blocks * 512
+    dev = st.st_dev
     for dirpath, dirnames, filenames in os.walk(root):
         keep = []
         for d in dirnames:
@@ -120,8 +124,8 @@ class _Writes:
     """Disk-write accounting: whole-device counters with the machine's idle write rate (measured right
     before each round) subtracted, and the growth of allocated space under given roots (noise-free)."""
 
-    def __init__(self, where: Path, roots: list[Path], parts: dict[str, Path] | None = None) -> None:
-        self.stat = block_stat_path(where)
+    def __init__(self, stat_file: Path, roots: list[Path], parts: dict[str, Path] | None = None) -> None:
+        self.stat = stat_file
         self.roots = roots
         self.parts = parts or {}  # named sub-trees whose allocation growth is reported on its own
         self.rounds: list[dict[str, float]] = []
@@ -160,6 +164,40 @@ class _Writes:
                 "rounds": self.rounds, "device": str(self.stat)}
 
 
+class _ScratchFs:
+    """A private ext4 filesystem on a loop device for SHOAL_HOME and Docker's data root: its I/O counters
+    see only what the benchmark does (other work on the host's disk cannot blur them)."""
+
+    def __init__(self, root: Path, size_gb: int = 32) -> None:
+        self.img = root / "scratch.ext4"
+        self.mnt = root / "fs"
+        self.dev = ""
+        with open(self.img, "wb") as f:
+            f.truncate(size_gb * 2**30)  # sparse
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(self.img)], check=True, capture_output=True, timeout=300)
+        self.dev = subprocess.run(["losetup", "--find", "--show", str(self.img)], check=True, capture_output=True,
+                                  text=True, timeout=60).stdout.strip()
+        self.mnt.mkdir()
+        from shoal.host import syscalls
+
+        syscalls.mount(self.dev, str(self.mnt), "ext4", 0, None)
+
+    @property
+    def stat(self) -> Path:
+        return Path(f"/sys/block/{os.path.basename(self.dev)}/stat")
+
+    def close(self) -> None:
+        from shoal.host import syscalls
+
+        for mp in syscalls.mounts_under(str(self.mnt)):
+            with contextlib.suppress(OSError):
+                syscalls.umount(mp, detach=True)
+        if self.dev:
+            subprocess.run(["losetup", "--detach", self.dev], capture_output=True, timeout=60)
+        with contextlib.suppress(FileNotFoundError):
+            self.img.unlink()
+
+
 async def run_image_bench(*, image: str = "base:latest", n: int = 20, trials: int = 3, rounds: int = 3,
                           docker: bool = True,
                           install_docker: bool = True, log: Callable[[str], None] | None = None,
@@ -174,7 +212,8 @@ async def run_image_bench(*, image: str = "base:latest", n: int = 20, trials: in
     shared = ImageStore(Paths.from_env().store)
     src_img = shared.resolve(image)
     root = Path(tempfile.mkdtemp(prefix="sbi-", dir=str(work_root or "/var/tmp")))
-    paths = Paths(home=root / "h", store=root / "store")
+    scratch = await asyncio.to_thread(_ScratchFs, root)
+    paths = Paths(home=scratch.mnt / "h", store=root / "store")
     store = ImageStore(paths.store)
     results: dict[str, Any] = {"image": image, "image_bytes": src_img.size, "layers": len(src_img.layers),
                                "n_sandboxes": n, "trials": trials, "write_rounds": rounds, "host": os.uname().nodename,
@@ -195,11 +234,15 @@ async def run_image_bench(*, image: str = "base:latest", n: int = 20, trials: in
             results["read_modes"][r["mount_mode"]] = r
         results["read"] = results["read_modes"].get(results["erofs_mount_mode"]) or r
         results["mount"] = await asyncio.to_thread(_mount_times, paths, img, trials, log)
-        results["writes"] = {"shoal": await _shoal_writes(node, spec, paths, n, rounds, log)}
+        results["writes"] = {"shoal": await _shoal_writes(node, spec, paths, scratch, n, rounds, log)}
+        # where shoal's own writes come from: the same without per-sandbox disk limits (no btrfs pool)
+        results["writes"]["shoal_no_disk_limits"] = await _variant_writes(
+            {"SHOAL_DISK_LIMITS": "0"}, spec, Paths(home=scratch.mnt / "h2", store=paths.store), scratch, n,
+            rounds, log)
         if docker:
             try:
                 results["writes"]["docker"] = await asyncio.to_thread(
-                    _docker_writes, node, img, root, n, rounds, install_docker, log)
+                    _docker_writes, node, img, root, scratch, n, rounds, install_docker, log)
             except (BackendUnavailable, subprocess.SubprocessError, OSError) as e:
                 results["writes"]["docker"] = {"error": str(e)[:500]}
                 log(f"docker comparison skipped: {e}")
@@ -208,7 +251,12 @@ async def run_image_bench(*, image: str = "base:latest", n: int = 20, trials: in
         with contextlib.suppress(Exception):
             await node.close_all()
         await node.stop()
+        with contextlib.suppress(Exception):
+            pool = getattr(node.backend("container"), "upper_pool", None)
+            if pool is not None:
+                await asyncio.to_thread(pool.teardown)
         await asyncio.to_thread(_cleanup_home, paths)
+        await asyncio.to_thread(scratch.close)
         shutil.rmtree(root, ignore_errors=True)
     return results
 
@@ -313,13 +361,13 @@ def _mount_times(paths: Paths, img: Any, trials: int, log: Callable[[str], None]
     return out
 
 
-async def _shoal_writes(node: Any, spec: Any, paths: Paths, n: int, rounds: int,
+async def _shoal_writes(node: Any, spec: Any, paths: Paths, scratch: _ScratchFs, n: int, rounds: int,
                         log: Callable[[str], None]) -> dict:
     parts = {"sandbox dirs (records, bundles)": paths.sandboxes}
     pool = paths.home / "uppers.btrfs"  # the node's upper pool, when it uses one (shoal.node.disk)
     if pool.exists():
         parts["upper pool"] = pool
-    w = _Writes(paths.home, [paths.home], parts)
+    w = _Writes(scratch.stat, [paths.home], parts)
     t_create = []
     for _ in range(rounds):
         await asyncio.to_thread(w.begin)
@@ -337,6 +385,34 @@ async def _shoal_writes(node: Any, spec: Any, paths: Paths, n: int, rounds: int,
         f"KiB, idle {res['idle_write_rate_Bps'] / 1024:.0f} KiB/s); {res['allocated_bytes'] / 1024:.1f} KiB allocated "
         f"({', '.join(f'{k}: {v / 1024:.1f} KiB' for k, v in res['allocated_bytes_by_part'].items())})")
     return res
+
+
+async def _variant_writes(env: dict[str, str], spec: Any, paths: Paths, scratch: _ScratchFs, n: int,
+                          rounds: int, log: Callable[[str], None]) -> dict:
+    """_shoal_writes with a node configured by extra environment variables (restored afterwards)."""
+    from shoal.node.node import Node
+
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    node = Node(NodeConfig(paths=paths))
+    try:
+        await node.start(reap=False, reconcile=False)
+        info = await node.create(spec)  # warm-up
+        await node.close(info.id)
+        log(f"variant {env}:")
+        res = await _shoal_writes(node, spec, paths, scratch, n, rounds, log)
+        res["env"] = env
+        return res
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        with contextlib.suppress(Exception):
+            await node.close_all()
+        await node.stop()
+        await asyncio.to_thread(_cleanup_home, paths)
 
 
 # ---- docker, for the side-by-side comparison ------------------------------------------------------
@@ -407,10 +483,10 @@ def _ensure_docker(install: bool, log: Callable[[str], None]) -> None:
         raise BackendUnavailable(f"could not install docker.io: {r.stderr[-500:]}")
 
 
-def _docker_writes(node: Any, img: Any, root: Path, n: int, rounds: int, install: bool,
+def _docker_writes(node: Any, img: Any, root: Path, scratch: _ScratchFs, n: int, rounds: int, install: bool,
                    log: Callable[[str], None]) -> dict:
     _ensure_docker(install, log)
-    d = _Dockerd(root / "docker")
+    d = _Dockerd(scratch.mnt / "docker")
     lm = LayerMounts(node.paths)
     d.start()
     try:
@@ -442,7 +518,7 @@ def _docker_writes(node: Any, img: Any, root: Path, n: int, rounds: int, install
             raise BackendUnavailable(f"docker run failed: {r.stderr[-500:]}")
         d.docker("rm", "-f", r.stdout.strip())
         data = d.root / "data"
-        w = _Writes(data, [data], {"containers (config, hosts, logs)": data / "containers",
+        w = _Writes(scratch.stat, [data], {"containers (config, hosts, logs)": data / "containers",
                                    "overlay2 (init + upper layers)": data / "overlay2",
                                    "containerd": data / "containerd"})
         t_run = []
