@@ -236,6 +236,11 @@ from shoal.cli.bench import bench as _bench  # noqa: E402 - `shoal bench` lives 
 app.command("bench")(_bench)
 
 
+from shoal.cli.vm import vm_app  # noqa: E402 - the `vm` sub-commands live there
+
+app.add_typer(vm_app, name="vm")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
