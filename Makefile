@@ -4,13 +4,17 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup agent demo test test-unit test-integration lint bench clean
+.PHONY: setup agent guest demo test test-unit test-integration lint bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 agent:
 	@$(MAKE) -s -C agent
+
+# the microVM kernel + initramfs (otherwise built lazily on the first microVM, cached under $SHOAL_HOME/vm)
+guest: agent
+	$(VENV)/bin/shoal vm build-guest
 
 demo: setup
 	$(VENV)/bin/shoal demo
