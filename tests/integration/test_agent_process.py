@@ -401,6 +401,30 @@ async def test_timeout_kills_the_whole_tree_but_not_the_agent(client: AgentClien
     assert (await client.exec(["echo", "still here"])).stdout == b"still here\n"
 
 
+def _procs_with_arg(arg: str) -> list[int]:
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if arg.encode() in f.read().split(b"\0"):
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+async def test_timeout_wins_against_a_fork_loop(client: AgentClient) -> None:
+    marker = f"3600.{os.getpid()}{int(time.time() * 1000) % 100000}"
+    # Forks as fast as it can (double forks: every child is orphaned at once) until killed.
+    r = await client.exec(["sh", "-c", f"while :; do (sleep {marker} &); done"], timeout=0.5)
+    assert r.timed_out
+    left = wait_gone(_procs_with_arg(marker), 5)
+    assert left == [], f"{len(left)} processes escaped the timeout"
+    await asyncio.sleep(0.3)
+    assert _procs_with_arg(marker) == []
+
+
 async def test_background_server_survives_and_serves_later_execs(client: AgentClient, agent: Agent) -> None:
     sock = agent.dir / "srv.sock"
     server = (
