@@ -97,6 +97,14 @@ class SandboxCgroup:
         return self.dir("memory").is_dir()
 
 
+def exists_anywhere(rel_path: str) -> bool:
+    """True when the cgroup directory exists in any hierarchy (a few stat calls)."""
+    rel = rel_path.strip("/")
+    if cgroup_mode() == "v2":
+        return (CGROUP_ROOT / rel).is_dir()
+    return any((p / rel).is_dir() for p in CGROUP_ROOT.iterdir())
+
+
 def remove_tree(rel_path: str) -> None:
     """Remove a (empty of processes) cgroup in every hierarchy; ignores what is already gone."""
     rel = rel_path.strip("/")

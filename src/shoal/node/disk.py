@@ -143,6 +143,49 @@ class UpperPool:
             raise
         return base / "upper", base / "work", subvol_id
 
+    def sweep_orphans(self, sandboxes_dir: Path) -> int:
+        """Delete subvolumes whose sandbox directory is gone (a crash before the first record, or a reboot:
+        sandbox directories live on tmpfs). Never mounts the pool just for this. Returns how many."""
+        from shoal.node.records import check_sandbox_id
+
+        if not syscalls.is_mountpoint(str(self.mountpoint)) or not self.ensure() or self._fd is None:
+            return 0
+        # subvolumes first, directories second: a sandbox's directory is made before its subvolume
+        # and removed after it, so a subvolume listed here whose directory is missing below is garbage
+        with os.scandir(self.mountpoint) as it:
+            names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+        try:
+            with os.scandir(sandboxes_dir) as it:
+                live = {e.name for e in it}
+        except FileNotFoundError:
+            live = set()
+        n = 0
+        for name in names:
+            if name in live:
+                continue
+            try:
+                check_sandbox_id(name)
+            except Exception:
+                continue  # not one of ours
+            subvol_id = 0
+            with contextlib.suppress(OSError):
+                sfd = os.open(self.mountpoint / name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    look = bytearray(4096)
+                    struct.pack_into("=QQ", look, 0, 0, 256)
+                    fcntl.ioctl(sfd, _INO_LOOKUP, look)
+                    subvol_id = struct.unpack_from("=Q", look, 0)[0]
+                finally:
+                    os.close(sfd)
+            if not subvol_id:
+                continue  # not a subvolume: not ours to delete
+            try:
+                self.release(name, subvol_id)
+                n += 1
+            except OSError as e:
+                log.warning("could not delete orphan upper %s: %s", name, e)
+        return n
+
     def usage(self, subvol_id: int) -> dict[str, int]:
         """Referenced bytes of a sandbox's subvolume and its limit (from `btrfs qgroup show`)."""
         if not subvol_id or not self.ensure():

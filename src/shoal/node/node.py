@@ -567,8 +567,17 @@ class Node:
                 if age > 60:
                     from shoal.host import syscalls
 
+                    # a half-made container sandbox: its directory's tmpfs, maybe its overlay
+                    for mp in syscalls.mounts_under(entry.path):
+                        with contextlib.suppress(OSError):
+                            syscalls.umount(mp, detach=True)
                     if not syscalls.mounts_under(entry.path):
                         shutil.rmtree(entry.path, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            from shoal.node.disk import UpperPool
+
+            # writable layers whose sandbox directory is gone (crash before the first record, reboot)
+            UpperPool(self.paths).sweep_orphans(self.paths.sandboxes)
         with contextlib.suppress(Exception):
             self.layer_mounts.reconcile(live_ids)
         self._committed_mb = sum(int(r.spec.get("memory_mb", 0)) for r in list_records(self.paths.sandboxes)
