@@ -62,6 +62,8 @@ class ContainerBackend(Backend):
         self.upper_pool = upper_pool or UpperPool(paths)
         self._runtimes: dict[str, OciRuntime] = {}
         self.dir_tmpfs = os.environ.get("SHOAL_SANDBOX_TMPFS", "1") != "0"
+        # agent connections opened while the runtime starts the sandbox (see create/connect)
+        self._connecting: dict[str, asyncio.Task] = {}
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -112,6 +114,9 @@ class ContainerBackend(Backend):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             listener.bind(str(sock_path))
             listener.listen(64)
+            # the socket listens before the agent runs: connect and say hello now, while the runtime
+            # starts the container (the agent answers as soon as it is up)
+            self._connecting[rec.id] = asyncio.ensure_future(self._connect(rec, 30.0))
             env = dict(image.config.env)
             env.update(spec.env)
             env.setdefault("HOSTNAME", spec.hostname or "sandbox")
@@ -137,15 +142,34 @@ class ContainerBackend(Backend):
         except BaseException:
             if listener is not None:
                 listener.close()
+            await self._drop_pending(rec.id)
             await self.destroy(rec)
             raise
         listener.close()
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
-        """Connect to the agent's socket in the sandbox directory."""
+    async def _connect(self, rec: SandboxRecord, timeout: float) -> AgentClient:
         from shoal.agentproto.client import AgentClient
 
         return await AgentClient.connect_unix(str(rec.path / "agent.sock"), timeout=timeout)
+
+    async def _drop_pending(self, sandbox_id: str) -> None:
+        task = self._connecting.pop(sandbox_id, None)
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            client = await task
+            await client.close()
+
+    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+        """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
+        task = self._connecting.pop(rec.id, None)
+        if task is not None:
+            try:
+                return await asyncio.wait_for(task, timeout)
+            except (SandboxError, OSError):
+                pass  # opened too early or lost: one fresh attempt below
+        return await self._connect(rec, timeout)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         """Kill, unmount, release layers, remove cgroups, network and the directory. Idempotent."""
