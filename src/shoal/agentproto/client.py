@@ -83,11 +83,11 @@ class _Stream:
     def __init__(self, sid: int, op: str) -> None:
         self.id = sid
         self.op = op
-        self.items: deque[F.Frame | BaseException] = deque()
+        self.items: deque[F.Frame | SandboxError] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False  # a terminal frame (or the failure) was delivered
 
-    def put(self, item: F.Frame | BaseException) -> None:
+    def put(self, item: F.Frame | SandboxError) -> None:
         self.items.append(item)
         w = self.waiter
         if w is not None and not w.done():
@@ -100,10 +100,12 @@ class _Stream:
                 await self.waiter
             finally:
                 self.waiter = None
-        item = self.items.popleft()
-        if isinstance(item, BaseException):
-            self.items.appendleft(item)  # every later get fails the same way
-            raise item
+        item = self.items[0]
+        if isinstance(item, SandboxError):
+            # Stays queued so every later get fails the same way; a fresh exception each time
+            # keeps tracebacks from piling up on one shared instance.
+            raise SandboxError(item.message, **item.details)
+        self.items.popleft()
         return item
 
     def terminated_early(self) -> bool:
