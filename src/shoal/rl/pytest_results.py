@@ -191,18 +191,12 @@ def _split_nodeid(rest: str, known: Iterable[str] | None) -> str | None:
             return best
     if "::" not in rest:
         return None  # e.g. "SKIPPED [1] file.py:12: reason" names no test
-    if "[" in rest.split("::")[-1] or "[" in rest:
-        # parametrized: the id ends at the bracket that closes the first '[' after the last '::' segment
-        start = rest.find("[", rest.rfind("::"))
-        if start != -1:
-            depth = 0
-            for i in range(start, len(rest)):
-                if rest[i] == "[":
-                    depth += 1
-                elif rest[i] == "]":
-                    depth -= 1
-                    if depth == 0 and (i + 1 == len(rest) or rest[i + 1:].startswith(" ")):
-                        return rest[:i + 1]
+    start = rest.find("[", rest.rfind("::"))
+    if start != -1:
+        # parametrized: ids may hold " - ", spaces and brackets; the id ends at the first "]" followed by
+        # the " - message" separator, or is the whole line when no message follows
+        j = rest.find("] - ", start)
+        return rest[:j + 1] if j != -1 else rest.rstrip()
     return rest.split(" - ", 1)[0].rstrip()
 
 
