@@ -1227,3 +1227,52 @@ async def test_agent_leaks_no_fds_or_processes_after_a_mixed_workload(agent: Age
     assert fds() == baseline, os.listdir(f"/proc/{agent.pid}/fd")
     await asyncio.sleep(0.5)  # the `sleep 0.3 &` orphan ends and must be reaped
     assert [p for p, (pp, st) in _proc_table().items() if pp == agent.pid] == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+async def test_users_and_supplementary_groups_from_the_sandboxes_own_files() -> None:
+    d = Path(tempfile.mkdtemp(prefix="sa-users-", dir="/tmp"))
+    (d / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\n"
+        "# a comment line and a broken one\n"
+        "broken:x:notanumber:1::/:/bin/sh\n"
+        "alice:x:4242:4300:Alice:/home/alice:/bin/bash\n"
+    )
+    (d / "group").write_text(
+        "root:x:0:\n"
+        "alicegrp:x:4300:\n"
+        "dev:x:5000:bob,alice\n"
+        "ops:x:5001:alice\n"
+        "notmine:x:5002:malice,alice2\n"
+    )
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'mount --bind {d}/passwd /etc/passwd && mount --bind {d}/group /etc/group && exec "$@"', "sh"]
+    a = start_agent(prefix=wrap)
+    try:
+        c = await a.connect()
+        try:
+            r = await c.exec(["sh", "-c", 'id -u; id -g; id -G; echo "$HOME $USER $LOGNAME"'], user="alice")
+            lines = r.stdout.decode().splitlines()
+            assert lines[:2] == ["4242", "4300"]
+            assert sorted(lines[2].split()) == ["4300", "5000", "5001"]
+            assert lines[3] == "/home/alice alice alice"
+            # A uid with a passwd entry gets that user's groups too (as `docker run --user` does).
+            r = await c.exec(["sh", "-c", "id -u; id -g; id -G"], user="4242")
+            out = r.stdout.decode().split()
+            assert out[:2] == ["4242", "4300"] and sorted(out[2:]) == ["4300", "5000", "5001"]
+            r = await c.exec(["sh", "-c", "id -u; id -g; id -G"], user="4242:7")
+            out = r.stdout.decode().split()
+            assert out[:2] == ["4242", "7"] and sorted(out[2:]) == ["5000", "5001", "7"]
+            r = await c.exec(["sh", "-c", "id -u; id -g; id -G"], user="31337")
+            assert r.stdout.decode().split() == ["31337", "31337", "31337"]
+            r = await c.exec(["sh", "-c", "echo $HOME"], user="alice", env={"HOME": "/custom"})
+            assert r.stdout == b"/custom\n"
+            with pytest.raises(InvalidRequest):
+                await c.exec(["true"], user="broken")
+            sh = await c.shell_open(user="alice")
+            assert (await c.shell_run(sh, "id -un; pwd")).stdout == b"alice\n/\n"
+        finally:
+            await c.close()
+    finally:
+        stop_agent(a)
+        shutil.rmtree(d, ignore_errors=True)
