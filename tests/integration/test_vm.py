@@ -200,6 +200,40 @@ async def test_named_snapshot_restores_memory(vclient: shoal.Client) -> None:
     assert not any(s["name"] == "t-vm-snap" for s in list_vm_snapshots(node))
 
 
+async def test_node_restart_reattaches_to_running_vm(vclient: shoal.Client) -> None:
+    from shoal.node.node import Node
+
+    node = node_of(vclient)
+    sb = await vclient.create("base", backend="microvm", memory_mb=256)
+    pid = (await sb.exec("sh -c 'sleep 900 >/dev/null 2>&1 & echo $!'")).stdout.strip().decode()
+    # the node agent "dies": its end of the VM's agent channel goes away, the VM keeps running
+    await node._clients.pop(sb.id).close()
+    other = Node()
+    await other.start(reap=False)  # another process would do the same: re-adopt from the records
+    try:
+        assert (await other.get(sb.id)).state == "running"
+        r = await other.exec(sb.id, f"kill -0 {pid} && echo alive")
+        assert r.stdout == b"alive\n", r
+    finally:
+        await other.stop()
+    # and back again
+    assert (await sb.exec("echo back")).stdout == b"back\n"
+    await sb.close()
+
+
+async def test_network_only_on_request(vclient: shoal.Client) -> None:
+    fetch = ("python3 -c \"import urllib.request as u; "
+             "print(u.urlopen('http://deb.debian.org/debian/dists/bookworm/Release', timeout=20).status)\"")
+    sb = await vclient.create("base", backend="microvm", memory_mb=256, network=True)
+    r = await sb.exec(fetch, timeout=60)
+    assert r.stdout == b"200\n", r
+    await sb.close()
+    sb = await vclient.create("base", backend="microvm", memory_mb=256)
+    r = await sb.exec(fetch, timeout=60)
+    assert r.exit_code != 0 and b"URLError" in r.stderr
+    await sb.close()
+
+
 async def test_balloon_reclaims_on_pause(vclient: shoal.Client) -> None:
     from shoal.backends.qemu import qmp
 
