@@ -577,10 +577,11 @@ def plot(results: dict[str, Any], out: Path) -> Path:
     if modes:
         labels, vals = [], []
         for mode, r in modes.items():
-            labels += [f"{mode}\nstart", f"{mode}\n+ import json"]
+            short = {"file-backed+directio": "directio", "file-backed": "buffered"}.get(mode, mode)
+            labels += [f"{short}\nstart", f"{short}\n+ import json"]
             vals += [r["start_fraction"] * 100, r["start_and_json_fraction"] * 100]
         ax[0].bar(labels, vals, color=["#7aa6c2", "#2e6f95"] * len(modes))
-        ax[0].tick_params(axis="x", labelsize=7)
+        ax[0].tick_params(axis="x", labelsize=8)
         ax[0].axhline(10, color="red", ls="--", lw=1, label="target 10%")
         ax[0].set_ylabel("% of image bytes read (cold cache)")
         ax[0].set_title(f"{results['image']} ({results['image_bytes'] / 2**20:.0f} MiB)")
@@ -605,7 +606,7 @@ def plot(results: dict[str, Any], out: Path) -> Path:
     ax[2].bar(names, kib, color=["#2e6f95", "#c2553a"][: len(names)])
     ax[2].set_yscale("log")
     ax[2].set_ylabel("KiB written to disk per new sandbox")
-    ax[2].set_title("disk writes per sandbox (idle-corrected)")
+    ax[2].set_title("disk bytes written per new sandbox")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
