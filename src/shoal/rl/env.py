@@ -188,6 +188,7 @@ class SandboxEnv:
         except InvalidRequest as e:
             return await self._count(StepResult(f"error: {e.message}", 0.0, False, {"error": "bad_action"}))
         if a["tool"] == "submit":
+            self.steps += 1
             grade = await self.submit(a.get("patch"))
             return StepResult(self._grade_text(grade), grade.reward, True,
                               {"grade": grade.to_dict(), "outcome": grade.outcome, "truncated": False,

@@ -1,0 +1,299 @@
+"""RL integration end to end on real sandboxes: generated tasks, the grader's outcomes, hidden tests,
+SandboxEnv and the rollout helpers, every trainer adapter with a scripted policy, Harbor-style tasks.
+
+The task set is the shipped recipe cut to one project and two tasks; its images live in the shared store,
+so after the first run they are cached (and shared with `shoal demo`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shlex
+from pathlib import Path
+
+import pytest
+
+import shoal
+from shoal.rl import SandboxEnv, env_pool, load_tasks, run_episode, run_episodes
+from shoal.rl.grader import (
+    EMPTY_PATCH,
+    PATCH_APPLY_FAILED,
+    RESOLVED,
+    SANDBOX_ERROR,
+    TEST_ERROR,
+    TIMEOUT,
+    UNRESOLVED,
+    grade_patch,
+)
+from shoal.rl.rollout import corrupt_patch, explore_then_fix, give_up, gold
+from shoal.rl.taskgen.config import load_task_recipe
+from shoal.rl.taskgen.generate import NOOP_PATCH, generate_tasks, verify_task
+from shoal.rl.tasks import SWETask
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+HARBOR_TASK = REPO / "examples" / "harbor-fizzbuzz"
+
+
+@pytest.fixture(scope="session")
+def rl_tasks(shoal_home: Path, base_image: str) -> list[SWETask]:
+    """Two generated tasks of the `inflection` project (images cached in the shared store)."""
+    tr = load_task_recipe().select(["inflection"])
+    tr.mutations.tasks_per_project = 2
+    tr.mutations.max_candidates = 8
+
+    async def go() -> list[SWETask]:
+        async with shoal.Client() as c:
+            return await generate_tasks(c.transport.node, tr)
+
+    tasks = asyncio.run(go())
+    assert len(tasks) == 2
+    return tasks
+
+
+async def _patch_from_edit(client: shoal.Client, task: SWETask, cmd: str) -> str:
+    """The diff an agent would submit after running `cmd` in the repository."""
+    env = SandboxEnv(task, client)
+    try:
+        await env.reset()
+        r = await env.step({"tool": "bash", "command": cmd})
+        assert r.info.get("exit_code") == 0, r.observation
+        return await env.diff()
+    finally:
+        await env.close()
+
+
+async def test_generated_tasks_are_sound(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    # the gold patch passes, the bug alone fails exactly FAIL_TO_PASS, PASS_TO_PASS keeps passing
+    for t in rl_tasks:
+        assert t.FAIL_TO_PASS and t.patch and t.test_patch and t.base_commit
+        assert t.metadata["hidden_files"] == ["test_inflection.py"]
+        assert await verify_task(client, t) == []
+
+
+async def test_grader_outcomes(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    t = rl_tasks[0]
+    g = await grade_patch(client, t, t.patch)
+    assert (g.outcome, g.reward) == (RESOLVED, 1.0), g.summary()
+    assert all(s == "passed" for s in g.fail_to_pass.values())
+    g = await grade_patch(client, t, "")
+    assert (g.outcome, g.reward) == (EMPTY_PATCH, 0.0)
+    g = await grade_patch(client, t, NOOP_PATCH)  # applies, fixes nothing
+    assert (g.outcome, g.reward) == (UNRESOLVED, 0.0)
+    g = await grade_patch(client, t, corrupt_patch(t.patch))
+    assert (g.outcome, g.reward) == (PATCH_APPLY_FAILED, 0.0), g.log
+    g = await grade_patch(client, t, "this is not a patch\n")
+    assert g.outcome == PATCH_APPLY_FAILED
+    # partial credit: the PASS_TO_PASS share of the named tests
+    g = await grade_patch(client, t, NOOP_PATCH, partial=True)
+    want = len(t.PASS_TO_PASS) / (len(t.FAIL_TO_PASS) + len(t.PASS_TO_PASS))
+    assert g.outcome == UNRESOLVED and g.reward == pytest.approx(want)
+
+
+async def test_grader_test_error_and_timeout(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    t = rl_tasks[0]
+    broken = await _patch_from_edit(client, t, "sed -i '1i def broken(:' inflection/__init__.py")
+    g = await grade_patch(client, t, broken)
+    assert (g.outcome, g.reward) == (TEST_ERROR, 0.0), g.summary()
+    assert "collection" in g.detail
+    hang = await _patch_from_edit(client, t, "sed -i '1i import time; time.sleep(600)' inflection/__init__.py")
+    g = await grade_patch(client, dataclasses.replace(t, timeout_s=5), hang)
+    assert (g.outcome, g.reward) == (TIMEOUT, 0.0), g.summary()
+    g = await grade_patch(client, dataclasses.replace(t, image="rl/no-such-image:x"), t.patch)
+    assert g.outcome == SANDBOX_ERROR and g.infra_error
+
+
+async def test_hidden_tests_are_invisible_to_the_agent(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    t = rl_tasks[0]
+    marker = next(ln[1:].strip() for ln in t.test_patch.splitlines() if ln.startswith("+def test_"))
+    async with SandboxEnv(t, client) as env:
+        await env.reset()
+        sb = env.sandbox
+        r = await sb.exec("ls test_inflection.py; git log --all --oneline | wc -l; "
+                          "git rev-list --all --objects | git cat-file --batch | grep -c -F " + shlex.quote(marker),
+                          cwd=t.workdir)
+        out = r.stdout.decode()
+        assert "No such file" in r.stderr.decode()
+        assert out.split() == ["1", "0"], out  # one commit, and no git object holds the hidden tests
+        r = await sb.exec("grep -rlF --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev "
+                          f"-e {shlex.quote(marker)} / 2>/dev/null | head", timeout=120)
+        assert r.stdout.decode().strip() == "", r.stdout
+        # the original code is not reachable either: the workspace's history was replaced
+        r = await sb.exec(f"git show HEAD --stat | grep -c {shlex.quote(t.metadata['file'])}", cwd=t.workdir)
+        assert r.stdout.decode().strip() == "1"  # the only commit adds the file as it is now (with the bug)
+
+
+async def test_env_explore_fix_and_diff_submission(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    t = rl_tasks[1]
+    res = await run_episode(explore_then_fix, t, client, max_steps=10)
+    assert (res.outcome, res.reward, res.error) == (RESOLVED, 1.0, ""), res
+    assert res.steps == 6 and res.timings["create"] > 0 and res.timings["grade"] > 0
+    res = await run_episode(give_up, t, client, max_steps=10)
+    assert (res.outcome, res.reward) == (EMPTY_PATCH, 0.0)
+    # out of steps: what is in the repository is graded (here the fix, applied at step 5 of 5)
+    res = await run_episode(explore_then_fix, t, client, max_steps=5)
+    assert res.truncated and res.outcome == RESOLVED
+
+
+async def test_env_state_and_errors(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    t = rl_tasks[0]
+    async with SandboxEnv(t, client, max_steps=20) as env:
+        with pytest.raises(shoal.InvalidRequest):
+            await env.step("ls")  # before reset
+        obs = await env.reset()
+        assert t.workdir in obs
+        await env.step("export MARK=42; cd /tmp")
+        r = await env.step("echo $MARK $PWD")
+        assert r.observation.startswith("42 /tmp") and not r.done
+        r = await env.step({"tool": "nope"})
+        assert r.observation.startswith("error: unknown tool") and r.info["error"] == "bad_action"
+        r = await env.step({"tool": "write_file", "path": "notes.txt", "content": "hi"})
+        r = await env.step({"tool": "read_file", "path": "notes.txt"})
+        assert r.observation == "hi"
+        r = await env.step({"tool": "read_file", "path": "/nope"})
+        assert r.observation.startswith("error:")
+        r = await env.step({"tool": "bash", "command": "sleep 5", "timeout": 1})
+        assert "[timed out" in r.observation
+        r = await env.step("submit")
+        assert r.done and r.info["outcome"] == UNRESOLVED  # notes.txt is a change, but not a fix
+        with pytest.raises(shoal.InvalidRequest):
+            await env.step("ls")
+    assert env.sandbox is None
+
+
+async def test_run_episodes_reports_failures_and_never_leaks(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    def crashing(obs: str, ctx) -> dict:  # type: ignore[no-untyped-def]
+        if ctx.episode == 1:
+            raise RuntimeError("policy bug")
+        return gold(obs, ctx)
+
+    bad_image = dataclasses.replace(rl_tasks[0], instance_id="broken", image="rl/no-such-image:x")
+    tasks = [rl_tasks[0], rl_tasks[1], bad_image]
+    res = await run_episodes(crashing, tasks, client=client, episodes=4, concurrency=4)
+    by = {r.episode: r for r in res}
+    assert by[0].reward == 1.0 and by[3].reward == 1.0
+    assert "policy bug" in by[1].error and by[1].outcome == "episode_error"
+    assert "not found" in by[2].error
+    assert [s for s in await client.list() if s.labels.get("shoal.rl/role")] == []
+
+
+async def test_env_pool(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    async with env_pool(rl_tasks, client=client) as pool:
+        assert all(isinstance(o, str) for o in pool.observations)  # type: ignore[attr-defined]
+        out = await pool.step(["git status --short", None])
+        assert out[1] is None and out[0].observation.endswith("[exit code 0]")
+        out = await pool.step([{"tool": "submit", "patch": t.patch} for t in rl_tasks])
+        assert [r.reward for r in out] == [1.0, 1.0]
+    assert [s for s in await client.list() if s.labels.get("shoal.rl/role")] == []
+
+
+# ---- adapters, each driven by a scripted policy ---------------------------------------------------
+def _apply_cmd(patch: str) -> str:
+    return f"git apply <<'SHOAL_PATCH_EOF'\n{patch}SHOAL_PATCH_EOF"
+
+
+async def test_verl_tool(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    from shoal.rl.adapters.verl import ShoalSandboxTool
+
+    tool = ShoalSandboxTool({"max_steps": 10, "client": client})
+    assert tool.name == "bash" and tool.get_openai_tool_schema()["function"]["name"] == "bash"
+    t = rl_tasks[0]
+    iid, resp = await tool.create(create_kwargs={"task": t.to_dict()})
+    assert t.workdir in resp.text
+    out, step_reward, metrics = await tool.execute(iid, {"command": _apply_cmd(t.patch)})
+    assert step_reward == 0.0 and metrics["exit_code"] == 0, out.text
+    assert await tool.calc_reward(iid) == 1.0
+    assert await tool.calc_reward(iid) == 1.0  # graded once
+    await tool.release(iid)
+    iid2, _ = await tool.create("mine", task=t)
+    assert iid2 == "mine"
+    await tool.execute(iid2, {"command": "ls"})
+    assert await tool.calc_reward(iid2) == 0.0  # no changes: empty patch
+    await tool.release(iid2)
+    with pytest.raises(shoal.InvalidRequest):
+        await tool.execute("mine", {"command": "ls"})
+
+
+async def test_openrlhf_agent_instance(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
+    from shoal.rl.adapters.openrlhf import make_agent_instance
+
+    t = rl_tasks[1]
+    cls = make_agent_instance(tasks=rl_tasks, client=client, max_steps=5)
+    agent = cls()
+    first = await agent.reset({"prompt": "", "label": t.instance_id})
+    assert t.workdir in first["observation"]
+    out = await agent.step({"observation_text": first["observation"], "action_text": "hmm, let me think",
+                            "label": t.instance_id})
+    assert out["done"] is False and "No action found" in out["environment_feedback"]
+    out = await agent.step({"action_text": f"Fix:\n```bash\n{_apply_cmd(t.patch)}\n```", "label": t.instance_id})
+    assert out["done"] is False and float(out["rewards"]) == 0.0
+    out = await agent.step({"action_text": "Done. <submit/>", "label": t.instance_id})
+    assert out["done"] is True and float(out["rewards"]) == 1.0 and out["extra_logs"]["outcome"] == RESOLVED
+
+
+def test_skyrl_text_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask], tmp_path: Path) -> None:
+    from shoal.rl.adapters._common import close_bridge
+    from shoal.rl.adapters.skyrl import ShoalTextEnv
+    from shoal.rl.tasks import dump_jsonl
+
+    path = dump_jsonl(rl_tasks, tmp_path / "tasks.jsonl")
+    t = rl_tasks[0]
+    try:
+        env = ShoalTextEnv({"tasks": str(path), "max_turns": 4}, {"extra_info": {"instance_id": t.instance_id}})
+        prompt, meta = env.init([{"role": "system", "content": "You fix bugs."}])
+        assert meta["task_id"] == t.instance_id and t.workdir in prompt[-1]["content"]
+        out = env.step("```bash\ngit log --oneline\n```")
+        assert out["done"] is False and "[exit code 0]" in out["observations"][0]["content"]
+        out = env.step(f"<bash>{_apply_cmd(t.patch)}</bash>")
+        out = env.step("<submit/>")
+        assert out["done"] is True and out["reward"] == 1.0 and out["metadata"]["outcome"] == RESOLVED
+        env.close()
+        env = ShoalTextEnv({"tasks": str(path), "max_turns": 2}, {"task": t.to_dict()})
+        env.init([])
+        env.step("thinking")
+        out = env.step("still thinking")  # out of turns: graded as is
+        assert out["done"] is True and out["reward"] == 0.0
+        env.close()
+    finally:
+        close_bridge()
+
+
+def test_trl_environment_factory(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
+    import inspect
+
+    from shoal.rl.adapters._common import close_bridge
+    from shoal.rl.adapters.trl import ShoalToolEnv, shoal_reward
+
+    class Env(ShoalToolEnv):
+        tasks = rl_tasks
+
+    tools = sorted(n for n, m in inspect.getmembers(Env, inspect.isfunction) if not n.startswith("_") and n != "reset")
+    assert tools == ["bash", "read_file", "submit", "write_file"]
+    assert "Args:" in Env.bash.__doc__
+    try:
+        envs = [Env(), Env()]
+        for e, t in zip(envs, rl_tasks, strict=True):
+            assert t.workdir in e.reset(instance_id=t.instance_id)
+        envs[0].write_file("/tmp/fix.patch", rl_tasks[0].patch)
+        assert "[exit code 0]" in envs[0].bash("git apply /tmp/fix.patch")
+        assert "Outcome: resolved" in envs[0].submit()
+        envs[1].bash("ls")  # never submits: graded by the reward function
+        assert shoal_reward(envs) == [1.0, 0.0]
+    finally:
+        close_bridge()
+
+
+# ---- Harbor-style tasks ----------------------------------------------------------------------------
+async def test_harbor_task_graded_after_the_agent(client: shoal.Client) -> None:
+    [t] = load_tasks(HARBOR_TASK)
+    res = await run_episode(gold, t, client, max_steps=5)  # runs solution/solve.sh, then submits
+    assert (res.outcome, res.reward) == (RESOLVED, 1.0), res
+    async with SandboxEnv(t, client) as env:
+        await env.reset()
+        r = await env.step("ls /tests 2>&1; echo 'print(1)' > /root/fizzbuzz.py")
+        assert "No such file" in r.observation  # the tests are not there while the agent works
+        # a background process that would rewrite the reward is killed before the verifier runs
+        await env.step("nohup sh -c 'while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+                       "sleep 0.01; done' >/dev/null 2>&1 &")
+        r = await env.step("submit")
+        assert r.done and (r.info["outcome"], r.reward) == (UNRESOLVED, 0.0), r.observation
