@@ -603,9 +603,11 @@ async def test_closing_the_connection_does_not_kill_processes(agent: Agent) -> N
 
 async def test_agent_death_fails_pending_requests_promptly(agent: Agent) -> None:
     c = await agent.connect()
+    orphans: set[int] = set()
     try:
         pending = asyncio.ensure_future(c.exec(["sleep", "100"]))
         await asyncio.sleep(0.1)
+        orphans = descendants(agent.pid)  # re-parented away once the agent dies: kill them here
         os.kill(agent.pid, signal.SIGKILL)
         with pytest.raises(SandboxError, match="connection lost"):
             await asyncio.wait_for(pending, 3)
@@ -613,6 +615,9 @@ async def test_agent_death_fails_pending_requests_promptly(agent: Agent) -> None
             await c.exec(["true"])
     finally:
         await c.close()
+        for p in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
 
 
 async def test_sigterm_kills_everything_and_exits_0(agent: Agent) -> None:
