@@ -154,3 +154,17 @@ def test_recipe_validation() -> None:
     with pytest.raises(InvalidRequest):
         Recipe("x:1", "base", env={"A=B": "1"}).validate()
     assert Env(A="1").vars == {"A": "1"} and Env({"B": "2"}, C="3").vars == {"B": "2", "C": "3"}
+
+
+def test_recipe_from_a_dict_for_api_bodies(tmp_path: Path) -> None:
+    from shoal.images.recipe import recipe_from_dict
+
+    body = {"from": "base", "network": False, "env": {"A": "1"},
+            "steps": [{"run": "make", "timeout": 60}, {"workdir": "/w"}]}
+    r = recipe_from_dict(body, ref="api/proj:v1")
+    assert r.ref == "api/proj:v1" and r.network is False and isinstance(r.steps[0], Run)
+    with pytest.raises(InvalidRequest, match="not allowed"):
+        recipe_from_dict({"from": "base", "steps": [{"copy": str(tmp_path), "to": "/x"}]}, ref="x:1",
+                         allow_copy=False)
+    with pytest.raises(InvalidRequest, match="table/object"):
+        recipe_from_dict(["not", "a", "dict"], ref="x:1")  # type: ignore[arg-type]

@@ -215,44 +215,56 @@ def load_recipe(path: Path | str, ref: str | None = None) -> Recipe:
         raise InvalidRequest(f"recipe file {path} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"recipe file {path} is not valid TOML: {e}") from None
+    return recipe_from_dict(data, ref=ref, base_dir=path.parent, where=str(path))
+
+
+def recipe_from_dict(data: dict[str, Any], ref: str | None = None, base_dir: Path | None = None,
+                     where: str = "recipe", allow_copy: bool = True) -> Recipe:
+    """A Recipe from the recipe-file structure as a dict (e.g. a JSON request body). Relative copy
+    sources resolve against `base_dir`; `allow_copy=False` refuses copy steps (a server must not
+    copy its own files into images on a client's behalf)."""
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"{where}: a recipe is a table/object")
     unknown = set(data) - _TOP_KEYS
     if unknown:
-        raise InvalidRequest(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+        raise InvalidRequest(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
     name = ref or data.get("name") or data.get("ref")
     if not name:
-        raise InvalidRequest(f"{path}: give the image a name (`name = \"proj:v1\"` or on the command line)")
+        raise InvalidRequest(f"{where}: give the image a name (`name = \"proj:v1\"` or on the command line)")
     base = data.get("from") or data.get("base")
     if not isinstance(base, str) or not base:
-        raise InvalidRequest(f"{path}: `from = \"IMAGE\"` is required (the image to build on)")
+        raise InvalidRequest(f"{where}: `from = \"IMAGE\"` is required (the image to build on)")
     raw_steps = data.get("steps", data.get("step", []))
     if not isinstance(raw_steps, list):
-        raise InvalidRequest(f"{path}: steps must be an array of tables ([[steps]])")
+        raise InvalidRequest(f"{where}: steps must be an array of tables ([[steps]])")
     steps: list[Step] = []
-    ctx = path.parent
+    ctx = base_dir or Path.cwd()
     for i, s in enumerate(raw_steps, 1):
         if not isinstance(s, dict):
-            raise InvalidRequest(f"{path}: step {i} must be a table")
+            raise InvalidRequest(f"{where}: step {i} must be a table")
         kinds = [k for k in _STEP_KINDS if k in s]
         if len(kinds) != 1:
-            raise InvalidRequest(f"{path}: step {i} must have exactly one of {', '.join(_STEP_KINDS)} "
+            raise InvalidRequest(f"{where}: step {i} must have exactly one of {', '.join(_STEP_KINDS)} "
                                  f"(has {kinds or 'none'})")
         kind = kinds[0]
         extra = set(s) - _STEP_KEYS[kind]
         if extra:
-            raise InvalidRequest(f"{path}: step {i} ({kind}) has unknown keys {sorted(extra)}")
+            raise InvalidRequest(f"{where}: step {i} ({kind}) has unknown keys {sorted(extra)}")
         try:
             if kind == "run":
                 steps.append(Run(str(s["run"]), network=s.get("network"),
                                  timeout=float(s.get("timeout", DEFAULT_RUN_TIMEOUT))))
             elif kind == "copy":
+                if not allow_copy:
+                    raise InvalidRequest(f"{where}: step {i}: copy steps are not allowed here")
                 if "to" not in s:
-                    raise InvalidRequest(f"{path}: step {i} (copy) needs `to = \"/dest\"`")
+                    raise InvalidRequest(f"{where}: step {i} (copy) needs `to = \"/dest\"`")
                 src = Path(s["copy"])
                 steps.append(Copy(src if src.is_absolute() else ctx / src, str(s["to"]),
                                   exclude=[str(x) for x in s.get("exclude", [])], owner=str(s.get("owner", "0:0"))))
             elif kind == "env":
                 if not isinstance(s["env"], dict):
-                    raise InvalidRequest(f"{path}: step {i}: env must be a table of NAME = \"value\"")
+                    raise InvalidRequest(f"{where}: step {i}: env must be a table of NAME = \"value\"")
                 steps.append(Env({str(k): str(v) for k, v in s["env"].items()}))
             elif kind == "workdir":
                 steps.append(Workdir(str(s["workdir"])))
@@ -261,21 +273,21 @@ def load_recipe(path: Path | str, ref: str | None = None) -> Recipe:
         except (TypeError, ValueError) as e:
             if isinstance(e, InvalidRequest):
                 raise
-            raise InvalidRequest(f"{path}: step {i} ({kind}): {e}") from None
+            raise InvalidRequest(f"{where}: step {i} ({kind}): {e}") from None
     env = data.get("env", {})
     if not isinstance(env, dict):
-        raise InvalidRequest(f"{path}: env must be a table")
+        raise InvalidRequest(f"{where}: env must be a table")
     try:
         recipe = Recipe(ref=str(name), base=base, steps=steps, network=bool(data.get("network", True)),
                         env={str(k): str(v) for k, v in env.items()}, workdir=data.get("workdir"),
                         user=data.get("user"), cpus=float(data.get("cpus", 2.0)),
                         memory_mb=int(data.get("memory_mb", 2048)), disk_mb=int(data.get("disk_mb", 16384)))
     except (TypeError, ValueError) as e:
-        raise InvalidRequest(f"{path}: {e}") from None
+        raise InvalidRequest(f"{where}: {e}") from None
     try:
         return recipe.validate()
     except InvalidRequest as e:
-        raise InvalidRequest(f"{path}: {e.message}") from None
+        raise InvalidRequest(f"{where}: {e.message}") from None
 
 
 # ---- copy sources -----------------------------------------------------------------------------
