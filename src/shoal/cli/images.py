@@ -220,7 +220,7 @@ def _build_base(name: str | None, quiet: bool, as_json: bool) -> None:
                 if not quiet:
                     err_console.print(f"  {escape(msg)}", highlight=False)
 
-            return await asyncio.to_thread(build_base, store, ref, log=log)
+            return await asyncio.to_thread(build_base, store, ref, log=log, work_dir=_local_tmp())
 
     _print_result(run_async(go), as_json, "built")
 

@@ -29,8 +29,10 @@ def default_mirror() -> str:
 
 
 def build_base(store: ImageStore, ref: str = "base:latest", packages: list[str] | None = None,
-               mirror: str | None = None, log: Callable[[str], None] | None = None) -> Image:
-    """Run mmdebstrap (minbase + BASE_PACKAGES), pack the tree as one layer, tag it `ref`."""
+               mirror: str | None = None, log: Callable[[str], None] | None = None,
+               work_dir: Path | None = None) -> Image:
+    """Run mmdebstrap (minbase + BASE_PACKAGES), pack the tree as one layer, tag it `ref`.
+    `work_dir` holds the unpacked tree (default: the store's tmp/; use local disk for a shared store)."""
     if not shutil.which("mmdebstrap"):
         raise BackendUnavailable("mmdebstrap is not installed: apt-get install mmdebstrap")
     if os.geteuid() != 0:
@@ -39,7 +41,9 @@ def build_base(store: ImageStore, ref: str = "base:latest", packages: list[str] 
     mirror = mirror or default_mirror()
     log = log or (lambda s: None)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="shoal-base-", dir=store.tmp_dir) as tmp:
+    base_dir = Path(work_dir) if work_dir else store.tmp_dir
+    base_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".tmp-base-", dir=base_dir) as tmp:
         rootfs = Path(tmp) / "rootfs"
         argv = ["mmdebstrap", "--variant=minbase", "--include=" + ",".join(pkgs), "--quiet"]
         argv += [f"--dpkgopt={x}" for x in _DPKG_EXCLUDES]

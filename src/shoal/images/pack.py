@@ -41,9 +41,23 @@ def _is_empty_dir(p: Path) -> bool:
         return next(it, None) is None
 
 
+def _empty_file(p: Path) -> bool:
+    try:
+        st = os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
+
+
 def runtime_excludes(upper: Path, network: bool = False) -> list[str]:
-    """Paths (relative to `upper`) that the runtime, not the sandbox, put there."""
+    """Paths (relative to `upper`) that the runtime, not the sandbox, put there: the agent's mountpoint,
+    mountpoints of /proc, /sys, /dev when the image lacks them (nothing can be written beneath a
+    mountpoint, so an empty one is the runtime's), and, with network, resolv.conf's bind-mount target."""
+    upper = Path(upper)
     out = [rel for rel in RUNTIME_ARTIFACTS if _is_empty_dir(upper / rel)]
+    out += [rel for rel in _RUNTIME_MOUNT_DIRS if _is_empty_dir(upper / rel)]
+    if network and _empty_file(upper / "etc" / "resolv.conf"):
+        out.append("etc/resolv.conf")
     return out
 
 
@@ -102,8 +116,14 @@ def pack_upper(store: ImageStore, upper: Path, source: dict[str, Any], compress:
             tmp.unlink()
 
 
-def upper_is_empty(upper: Path) -> bool:
+def upper_is_empty(upper: Path, network: bool = False) -> bool:
     """True when an upper holds nothing but runtime artifacts (the sandbox changed no file)."""
+    upper = Path(upper)
+    artifacts = set(runtime_excludes(upper, network))
     with os.scandir(upper) as it:
         names = {e.name for e in it}
-    return not (names - {rel for rel in RUNTIME_ARTIFACTS if _is_empty_dir(Path(upper) / rel)})
+    if "etc/resolv.conf" in artifacts and "etc" in names:
+        with os.scandir(upper / "etc") as it:
+            if {e.name for e in it} == {"resolv.conf"}:
+                names.discard("etc")
+    return not (names - artifacts)

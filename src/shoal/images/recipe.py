@@ -533,7 +533,7 @@ async def _build_step(node: Node, recipe: Recipe, i: int, step: Run | Copy, laye
         upper = node.backend(rec.backend).upper_dir(rec)
         if upper is None:
             raise ImageBuildError(f"the {rec.backend} backend has no writable layer to pack")
-        if await asyncio.to_thread(upper_is_empty, Path(upper)):
+        if await asyncio.to_thread(upper_is_empty, Path(upper), network):
             return None
         source = {"type": "recipe-step", "image": recipe.ref, "step": i, "desc": step.describe()[:500]}
         layer = await asyncio.to_thread(
