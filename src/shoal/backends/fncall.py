@@ -209,6 +209,10 @@ class FncallManager:
             raise errs[0]
         return p.snapshot()
 
+    def sandbox_ids(self) -> list[str]:
+        """Every pooled sandbox this manager holds right now."""
+        return [sid for p in self.pools.values() for sid in p.sandbox_ids()]
+
     def stats(self) -> dict[str, Any]:
         """Counters of every pool."""
         return {**self.counters, "pools": [p.snapshot() for p in self.pools.values()]}

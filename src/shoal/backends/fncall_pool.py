@@ -284,6 +284,10 @@ class Pool:
                 "waiting": len(self.waiters), "max_size": self.max_size, "min_idle": self.min_idle,
                 "last_error": self.last_error.message if self.last_error else None, **self.stats}
 
+    def sandbox_ids(self) -> list[str]:
+        """Sandboxes of the pool's live workers (idle and busy)."""
+        return [w.sandbox_id for w in (*self.idle, *self.busy)]
+
     # ---- borrowing
     async def acquire(self) -> Worker:
         """An idle worker, waiting (FIFO) for one to be free or started."""

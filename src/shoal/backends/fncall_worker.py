@@ -166,6 +166,12 @@ def zygote_main(sock, preload, base_env):
     # objects created so far are never freed: keep the collector from touching (and un-sharing) them
     if hasattr(gc, "freeze"):
         gc.freeze()
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        prctl = None
     base_vm_kb = _vm_size_kb()
     hard = {r: resource.getrlimit(r)[1] for r in
             (resource.RLIMIT_CORE, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_AS)}
@@ -200,7 +206,7 @@ def zygote_main(sock, preload, base_env):
             continue
         if pid == 0:
             sock.close()
-            _child(fds, base_vm_kb, hard)  # never returns
+            _child(fds, base_vm_kb, hard, prctl)  # never returns
         for fd in fds:
             os.close(fd)
         while True:
@@ -220,7 +226,7 @@ def zygote_main(sock, preload, base_env):
 
 
 # ---------------------------------------------------------------------------------------------- child
-def _child(fds, base_vm_kb, hard):
+def _child(fds, base_vm_kb, hard, prctl):
     """In the forked child: become the call's process, then exec argv or run the python code."""
     spec_fd, stdin_fd, out_fd, err_fd = fds
     try:
@@ -247,6 +253,10 @@ def _child(fds, base_vm_kb, hard):
         os.setgroups([])
         os.setgid(spec["gid"])
         os.setuid(spec["uid"])
+        if prctl is not None and spec["mode"] == "python":
+            # changing uid made the process non-dumpable, so /proc/self/{fd,mem,...} would belong to root;
+            # a program started by that user is dumpable (exec does this for the exec'd steps)
+            prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
         os.chdir(spec["cwd"])
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
@@ -784,8 +794,8 @@ class Dispatcher:
         else:
             os.unlink(path)
 
-    @staticmethod
-    def _clean_sysv_ipc():
+    def _clean_sysv_ipc(self):
+        """Remove SysV shared memory, semaphores and message queues (they outlive their processes)."""
         problems = []
         kinds = []
         for kind in ("shm", "msg", "sem"):
@@ -814,14 +824,24 @@ class Dispatcher:
 
         libc = ctypes.CDLL(None, use_errno=True)
         ipc_rmid = 0
+
+        def rm(kind, ident):
+            if kind == "shm":
+                return libc.shmctl(ident, ipc_rmid, None)
+            if kind == "msg":
+                return libc.msgctl(ident, ipc_rmid, None)
+            return libc.semctl(ident, 0, ipc_rmid)
+
         for kind, ids in kinds:
             for ident in ids:
-                if kind == "shm":
-                    rc = libc.shmctl(ident, ipc_rmid, None)
-                elif kind == "msg":
-                    rc = libc.msgctl(ident, ipc_rmid, None)
-                else:
-                    rc = libc.semctl(ident, 0, ipc_rmid)
+                # only the owner may remove an object (root here lacks CAP_IPC_OWNER): be the call's uid
+                self._as_user()
+                try:
+                    rc = rm(kind, ident)
+                finally:
+                    self._as_root()
+                if rc != 0:
+                    rc = rm(kind, ident)
                 if rc != 0:
                     problems.append(f"cannot remove SysV {kind} {ident}: errno {ctypes.get_errno()}")
         return problems
