@@ -136,8 +136,7 @@ def image_build(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the result")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the image as JSON")] = False,
 ) -> None:
-    """Build an image: `shoal image build base`, from a recipe file (`-f recipe.toml`), or from
-    steps: `shoal image build proj:v1 --from base --copy ./src /work --run "pip install -e /work"`."""
+    """Build an image: `shoal image build base`, from a recipe file (`-f recipe.toml`), or from steps: `shoal image build proj:v1 --from base --copy ./src /work --run "pip install -e /work"`."""  # noqa: E501
     # the step options were taken out of the command line in order (see _OrderedCommand)
     steps = ctx.meta.get("shoal.steps", [])
     if file is None and from_ is None:
