@@ -104,8 +104,8 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
     t_start = time.monotonic()
     tr = _recipe(cfg)
     console.rule("[bold]shoal demo[/bold]: agentic RL in real sandboxes")
-    console.print(f"[dim]projects[/dim] {', '.join(f'{p.name} {p.version}' for p in tr.projects)}   "
-                  f"[dim]episodes[/dim] {cfg.episodes}   [dim]at once[/dim] {cfg.concurrency}")
+    console.print(f"[dim]projects:[/dim] {', '.join(f'{p.name} {p.version}' for p in tr.projects)}")
+    console.print(f"[dim]rollout:[/dim] {cfg.episodes} episodes, {cfg.concurrency} at once")
     async with shoal.Client() as client:
         node = client.transport.node
         # 1. base image
