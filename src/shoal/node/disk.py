@@ -94,7 +94,10 @@ class UpperPool:
             tmp = self.image.with_suffix(".tmp")
             with open(tmp, "wb") as f:
                 f.truncate(size_gb * 2**30)
-            run_sync(["mkfs.btrfs", "-q", "-f", "-m", "single", str(tmp)], check=True, timeout=300)
+            # 4 KiB metadata nodes (default 16 KiB): every sandbox's subvolume is a new tree whose root,
+            # root item and qgroup items are written at the next commit; small nodes write ~3x less
+            # per sandbox (measured: 23.7 -> 8.1 KiB per subvolume + qgroup + 2 dirs, after sync)
+            run_sync(["mkfs.btrfs", "-q", "-f", "-m", "single", "-n", "4096", str(tmp)], check=True, timeout=300)
             os.rename(tmp, self.image)
         # nodatacow-free defaults; noatime because agents read a lot
         r = run_sync(["mount", "-o", "loop,noatime", str(self.image), str(self.mountpoint)], timeout=60)
