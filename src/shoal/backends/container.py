@@ -28,6 +28,7 @@ from shoal.models import SandboxSpec
 from shoal.node.disk import UpperPool
 from shoal.node.reclaim import sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
+from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
@@ -37,12 +38,6 @@ if TYPE_CHECKING:
 # volatile skips syncs of the upper (a sandbox never outlives its host, so durability buys nothing).
 _OVERLAY_OPTS = "redirect_dir=off,index=off,metacopy=off,volatile"
 _SUN_PATH_MAX = 107
-# The sandbox directory (record, bundle, agent socket: runtime state that cannot outlive the host, like
-# crun's own state in /run/crun) is a small private tmpfs when the writable layer lives on the upper
-# pool: a create or close then writes nothing to the host's disk, and makes no inodes on it (on ext4
-# without a journal, as on this project's hosts, each new inode scans the recently deleted ones: that
-# was ~30% of the node's CPU per create under churn). SHOAL_SANDBOX_TMPFS=0 keeps it on disk.
-_DIR_TMPFS_OPTS = "mode=0755,size=64m,nr_inodes=4096"
 
 
 class ContainerBackend(Backend):
@@ -61,7 +56,8 @@ class ContainerBackend(Backend):
         self.network = network
         self.upper_pool = upper_pool or UpperPool(paths)
         self._runtimes: dict[str, OciRuntime] = {}
-        self.dir_tmpfs = os.environ.get("SHOAL_SANDBOX_TMPFS", "1") != "0"
+        # sandbox directories (record, bundle, socket) in memory: see shoal.node.volatile
+        self.volatile = VolatileDirs(paths)
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
 
@@ -80,6 +76,13 @@ class ContainerBackend(Backend):
         """The merged overlay (the sandbox's / as the host sees it)."""
         return rec.path / "rootfs"
 
+    def make_dir(self, d: Path) -> None:
+        """Create the sandbox directory: on the node's tmpfs when the writable layer is on the upper pool
+        (the layer itself must not live in memory), else on disk."""
+        if self.volatile.enabled and self.upper_pool.ensure() and self.volatile.make_dir(d):
+            return
+        d.mkdir()
+
     async def create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
         """Mount, configure and start one container; undo everything on failure."""
         rt = self.runtime(spec.runtime)
@@ -92,8 +95,6 @@ class ContainerBackend(Backend):
             raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({sock_path}); use a shorter one")
         listener: socket.socket | None = None
         try:
-            if self.dir_tmpfs and self.upper_pool.ensure():
-                syscalls.mount("tmpfs", str(d), "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, _DIR_TMPFS_OPTS)
             rootfs = d / "rootfs"
             rootfs.mkdir()
             upper, work, projid = self.upper_pool.allocate(rec.id, spec.disk_mb)
@@ -135,7 +136,7 @@ class ContainerBackend(Backend):
             pid = int((d / "init.pid").read_text().strip())
             rec.init_pid = pid
             rec.init_start = proc_starttime(pid) or 0
-            # the runtime keeps its own copy of the config; these would only take memory on the tmpfs
+            # the runtime keeps its own copy of the config; these would only take memory on a tmpfs
             for name in ("init.pid", "config.json"):
                 with contextlib.suppress(OSError):
                     os.unlink(d / name)
@@ -214,14 +215,17 @@ class ContainerBackend(Backend):
                 errors.append(f"network teardown: {e}")
         if syscalls.mount_root(rootfs) is not False and syscalls.mounts_under(rootfs):
             errors.append(f"{rootfs} is still mounted; leaving {rec.path} in place")
+        elif os.path.islink(rec.path):
+            # the directory on the tmpfs (a record, a socket, an empty rootfs dir) goes last, with its link
+            remove_sandbox_dir(rec.path)
         else:
-            # the directory's own tmpfs goes last: it holds the record until everything else is undone
+            # (a directory that was its own tmpfs, as made by an earlier shoal, is unmounted first)
             self._umount(str(rec.path), errors)
             try:
                 os.rmdir(rec.path)
             except FileNotFoundError:
                 pass
-            except OSError:  # a directory on disk (no tmpfs) still holding files
+            except OSError:  # a directory on disk still holding files
                 await asyncio.to_thread(shutil.rmtree, rec.path, True)
         if errors:
             raise SandboxError(f"cleanup of sandbox {rec.id} was incomplete: " + "; ".join(errors))

@@ -159,7 +159,8 @@ class UpperPool:
             names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
         try:
             with os.scandir(sandboxes_dir) as it:
-                live = {e.name for e in it}
+                # a symlink whose tmpfs directory is gone (reboot) is not a live sandbox
+                live = {e.name for e in it if not e.is_symlink() or os.path.exists(e.path)}
         except FileNotFoundError:
             live = set()
         n = 0
@@ -229,7 +230,12 @@ class UpperPool:
         return n
 
     def teardown(self) -> bool:
-        """Unmount the pool when no sandbox uses it (tests, `shoal node teardown`). True if unmounted."""
+        """Unmount the pool when no sandbox uses it (tests, `shoal node teardown`). True if unmounted.
+        The tmpfs of sandbox directories (shoal.node.volatile) goes too when empty."""
+        from shoal.node.volatile import VolatileDirs
+
+        with contextlib.suppress(OSError):
+            VolatileDirs(self.paths).teardown()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

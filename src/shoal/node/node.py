@@ -225,7 +225,8 @@ class Node:
         backend = self.backend(spec.backend)
         sid = new_sandbox_id(self.config.node_id)
         d = self.paths.sandboxes / sid
-        d.mkdir()
+        make_dir = getattr(backend, "make_dir", None)  # containers: a symlink into a tmpfs (node.volatile)
+        make_dir(d) if make_dir is not None else d.mkdir()
         owner_pid, owner_start = my_identity()
         now = time.time()
         rec = SandboxRecord(
@@ -561,18 +562,24 @@ class Node:
                 live_ids.add(rec.id)
                 adopted += 1
         # leftover directories without a record (crash between mkdir and the first save)
+        from shoal.node.volatile import remove_sandbox_dir
+
         for entry in os.scandir(self.paths.sandboxes):
-            if entry.is_dir() and not (Path(entry.path) / "record.json").exists():
+            if entry.is_symlink() and not os.path.exists(entry.path):
+                # its directory was on the node's tmpfs, gone with a reboot
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            elif entry.is_dir() and not (Path(entry.path) / "record.json").exists():
                 age = time.time() - entry.stat().st_mtime
                 if age > 60:
                     from shoal.host import syscalls
 
-                    # a half-made container sandbox: its directory's tmpfs, maybe its overlay
+                    # a half-made container sandbox may have its overlay mounted
                     for mp in syscalls.mounts_under(entry.path):
                         with contextlib.suppress(OSError):
                             syscalls.umount(mp, detach=True)
                     if not syscalls.mounts_under(entry.path):
-                        shutil.rmtree(entry.path, ignore_errors=True)
+                        remove_sandbox_dir(Path(entry.path))
         with contextlib.suppress(Exception):
             from shoal.node.disk import UpperPool
 
