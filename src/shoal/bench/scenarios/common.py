@@ -73,8 +73,12 @@ async def closed_loop(fn: Callable[[], Awaitable[Any]], concurrency: int, durati
     t0 = time.perf_counter()
     stop_at = t0 + duration
 
+    started = 0
+
     async def worker() -> None:
-        while time.perf_counter() < stop_at and (max_items is None or len(out.items) + len(out.errors) < max_items):
+        nonlocal started
+        while time.perf_counter() < stop_at and (max_items is None or started < max_items):
+            started += 1
             s = time.perf_counter()
             try:
                 item = await fn()
