@@ -62,7 +62,7 @@ def tasks_generate(out: Annotated[Path, typer.Option("--out", "-o", help="JSONL 
             with console.status("generating…") as st:
                 def log(msg: str) -> None:
                     st.update(f"[dim]{msg.strip()[:110]}[/dim]")
-                    if msg.startswith(("built ", "task set ")) or ": kept " in msg:
+                    if msg.startswith(("built ", "task set ", "warning:")) or ": kept " in msg:
                         console.print(f"  [dim]{msg.strip()[:150]}[/dim]")
                 tasks = await generate_tasks(client.transport.node, tr, log=log, report=rep, no_cache=no_cache)
             dump_jsonl(tasks, out)

@@ -168,8 +168,10 @@ def _logger(console: Console, status: Any) -> Callable[[str], None]:
         if not line:
             return
         status.update(f"[dim]{line[:110]}[/dim]")
+        if line.startswith("warning:"):
+            console.print(f"  [yellow]{line}[/yellow]")
         # keep what a reader wants in the scrollback; step output stays in the status line only
-        if line.startswith(("built ", "task set ", "downloading ", "building the base")) or ": kept " in line:
+        elif line.startswith(("built ", "task set ", "downloading ", "building the base")) or ": kept " in line:
             console.print(f"  [dim]{line[:150]}[/dim]")
     return log
 

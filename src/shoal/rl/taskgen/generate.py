@@ -315,9 +315,18 @@ async def ensure_images(node: Node, tr: TaskRecipe, log: Log) -> dict[str, Image
     await asyncio.to_thread(ensure_base, node.store, log)
     py = await ensure_python_image(node, tr, log)
     out: dict[str, Image] = {"python": py}
-    results = await asyncio.gather(*(ensure_workspace_image(node, p, py, log) for p in tr.projects))
+    results = await asyncio.gather(*(ensure_workspace_image(node, p, py, log) for p in tr.projects),
+                                   return_exceptions=True)
     for p, img in zip(tr.projects, results, strict=True):
+        if isinstance(img, ShoalError):
+            # one project that cannot be fetched or built must not sink the others
+            log(f"warning: skipping project {p.name}: {img.message[:300]}")
+            continue
+        if isinstance(img, BaseException):
+            raise img
         out[p.name] = img
+    if len(out) == 1:
+        raise ImageBuildError("no project's workspace image could be built (see the warnings above)")
     return out
 
 
@@ -331,7 +340,7 @@ async def generate_tasks(node: Node, tr: TaskRecipe, *, log: Log | None = None, 
     images = await ensure_images(node, tr, log)
     report.images = {k: v.ref for k, v in images.items()}
     report.images_s = time.monotonic() - t0
-    set_key = _h("taskset", tr.key(), {p.name: images[p.name].digest for p in tr.projects})
+    set_key = _h("taskset", tr.key(), {p.name: images[p.name].digest for p in tr.projects if p.name in images})
     hit = None if no_cache else node.store.cache_get("rl-tasksets", set_key)
     if hit and isinstance(hit.get("tasks"), list):
         tasks = [SWETask.from_dict(d) for d in hit["tasks"]]
@@ -341,10 +350,19 @@ async def generate_tasks(node: Node, tr: TaskRecipe, *, log: Log | None = None, 
             log(f"task set {set_key[:12]}: {len(tasks)} tasks (cached)")
             return tasks
     t1 = time.monotonic()
-    reports = [ProjectReport(p.name) for p in tr.projects]
+    projects = [p for p in tr.projects if p.name in images]
+    reports = [ProjectReport(p.name) for p in projects]
     report.projects = reports
-    kept = await asyncio.gather(*(_evaluate_project(node, images[p.name], p, tr, log, r, no_cache)
-                                  for p, r in zip(tr.projects, reports, strict=True)))
+    results = await asyncio.gather(*(_evaluate_project(node, images[p.name], p, tr, log, r, no_cache)
+                                     for p, r in zip(projects, reports, strict=True)), return_exceptions=True)
+    kept: list[list[tuple[Mutation, str, _Verdict]]] = []
+    for p, res in zip(projects, results, strict=True):
+        if isinstance(res, ShoalError):
+            log(f"warning: no tasks from {p.name}: {res.message[:300]}")
+            res = []
+        elif isinstance(res, BaseException):
+            raise res
+        kept.append(res)
     report.mutants_s = time.monotonic() - t1
     t2 = time.monotonic()
     sem = asyncio.Semaphore(3)
@@ -353,7 +371,7 @@ async def generate_tasks(node: Node, tr: TaskRecipe, *, log: Log | None = None, 
         async with sem:
             return await _make_task(node, images[p.name], p, tr, m, src, v)
 
-    jobs = [make(p, m, src, v) for p, ks in zip(tr.projects, kept, strict=True) for (m, src, v) in ks]
+    jobs = [make(p, m, src, v) for p, ks in zip(projects, kept, strict=True) for (m, src, v) in ks]
     tasks = list(await asyncio.gather(*jobs))
     report.task_images_s = time.monotonic() - t2
     report.tasks = len(tasks)

@@ -69,7 +69,9 @@ def _pip(args: list[str], what: str) -> None:
     except subprocess.TimeoutExpired:
         raise ImageBuildError(f"pip download of {what} took more than 10 minutes (is PyPI reachable?)") from None
     if r.returncode != 0:
-        tail = (r.stderr or r.stdout)[-1500:]
+        out = r.stderr or r.stdout
+        errors = [ln for ln in out.splitlines() if ln.startswith("ERROR:")]
+        tail = "\n".join(errors)[-1500:] if errors else out[-1500:]
         hint = " (is pip installed for this Python? `python -m ensurepip`)" if "No module named pip" in tail else ""
         raise ImageBuildError(f"pip download of {what} failed{hint}: {tail}")
 
