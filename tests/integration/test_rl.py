@@ -258,6 +258,54 @@ def test_skyrl_text_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETas
         close_bridge()
 
 
+def test_sync_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
+    from shoal.rl import SyncSandboxEnv
+    from shoal.rl.adapters._common import close_bridge
+
+    t = rl_tasks[1]
+    try:
+        with SyncSandboxEnv(t, max_steps=5) as env:
+            assert t.workdir in env.reset()
+            _obs, reward, done, _info = env.step({"tool": "submit", "patch": t.patch})
+            assert (reward, done) == (1.0, True)
+    finally:
+        close_bridge()
+
+
+def test_cli_demo_and_tasks(shoal_home: Path, base_image: str, rl_tasks: list[SWETask], tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, COLUMNS="120")
+    shoal_cli = [sys.executable, "-m", "shoal.cli.main"]
+    out = tmp_path / "tasks.jsonl"
+    r = subprocess.run([*shoal_cli, "tasks", "generate", "-o", str(out), "--projects", "inflection",
+                        "--tasks-per-project", "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(load_tasks(out)) == 2
+    r = subprocess.run([*shoal_cli, "tasks", "grade", str(out), "--json"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and [g["outcome"] for g in json.loads(r.stdout)] == [RESOLVED, RESOLVED], r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instance_id": "x"}\n')
+    r = subprocess.run([*shoal_cli, "tasks", "validate", str(bad)], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "task 'x'" in r.stderr and "field 'image'" in r.stderr
+    report = tmp_path / "demo.json"
+    r = subprocess.run([*shoal_cli, "demo", "--projects", "inflection", "--tasks-per-project", "2", "--episodes", "10",
+                        "--concurrency", "10", "--json", str(report)], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for words in ("reward by policy", "where the time went", "episodes/s", "failed episodes  0"):
+        assert words in r.stdout, words
+    rep = json.loads(report.read_text())
+    roll = rep["rollout"]
+    assert roll["episodes"] == 10 and len(roll["results"]) == 10
+    for tag, v in roll["by_policy"].items():
+        assert v["mean_reward"] == {"gold": 1.0, "explore+fix": 1.0}.get(tag, 0.0), (tag, v)
+
+
 def test_trl_environment_factory(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
     import inspect
 

@@ -13,6 +13,7 @@ from shoal.rl.env import (
     EpisodeResult,
     SandboxEnv,
     StepResult,
+    SyncSandboxEnv,
     env_pool,
     normalize_action,
     run_episode,
@@ -23,6 +24,6 @@ from shoal.rl.tasks import HarborTask, SWETask, Task, TaskError, dump_jsonl, loa
 
 __all__ = [
     "OUTCOMES", "EnvPool", "EpisodeContext", "EpisodeResult", "Grade", "HarborTask", "SWETask", "SandboxEnv",
-    "StepResult", "Task", "TaskError", "dump_jsonl", "env_pool", "grade_final_state", "grade_patch",
+    "StepResult", "SyncSandboxEnv", "Task", "TaskError", "dump_jsonl", "env_pool", "grade_final_state", "grade_patch",
     "load_harbor_dir", "load_tasks", "normalize_action", "run_episode", "run_episodes",
 ]

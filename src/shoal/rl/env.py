@@ -472,3 +472,32 @@ async def env_pool(tasks: Sequence[Task], *, client: Any | None = None, concurre
         await pool.close()
         if own:
             await client.aclose()
+
+
+class SyncSandboxEnv:
+    """The blocking twin of SandboxEnv, for gym-style loops that are not async (a private event loop runs
+    the sandbox work; its client closes at interpreter exit, or with `shoal.rl.adapters._common.close_bridge`)."""
+
+    def __init__(self, task: Task, client: Any | None = None, **env_kw: Any) -> None:
+        from shoal.rl.adapters._common import bridge
+
+        self._bridge = bridge()
+        self.env = SandboxEnv(task, client or self._bridge.get_client(), **env_kw)
+
+    def reset(self) -> str:
+        """Start a new episode in a fresh sandbox; returns the task prompt."""
+        return self._bridge.run(self.env.reset())
+
+    def step(self, action: Action) -> StepResult:
+        """Apply one action (see SandboxEnv.step)."""
+        return self._bridge.run(self.env.step(action))
+
+    def close(self) -> None:
+        """Close the episode's sandbox."""
+        self._bridge.run(self.env._close_sandbox())
+
+    def __enter__(self) -> SyncSandboxEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
