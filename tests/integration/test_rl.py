@@ -84,6 +84,14 @@ async def test_grader_outcomes(client: shoal.Client, rl_tasks: list[SWETask]) ->
     assert (g.outcome, g.reward) == (PATCH_APPLY_FAILED, 0.0), g.log
     g = await grade_patch(client, t, "this is not a patch\n")
     assert g.outcome == PATCH_APPLY_FAILED
+    # planting the hidden test file or a conftest that forces passes changes nothing
+    hack = await _patch_from_edit(client, t, (
+        "printf 'def test_x():\\n    pass\\n' > test_inflection.py && printf '%s\\n' 'import pytest' "
+        "'@pytest.hookimpl(hookwrapper=True)' 'def pytest_runtest_makereport(item, call):' "
+        "'    rep = (yield).get_result()' '    rep.outcome = \"passed\"' > conftest.py"))
+    assert "conftest.py" in hack and "test_inflection.py" in hack
+    g = await grade_patch(client, t, hack)
+    assert (g.outcome, g.reward) == (UNRESOLVED, 0.0), g.summary()
     # partial credit: the PASS_TO_PASS share of the named tests
     g = await grade_patch(client, t, NOOP_PATCH, partial=True)
     want = len(t.PASS_TO_PASS) / (len(t.FAIL_TO_PASS) + len(t.PASS_TO_PASS))

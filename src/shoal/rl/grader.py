@@ -124,6 +124,13 @@ def _reset_tests_script(task: SWETask) -> str:
     """Put every file the hidden tests touch back to the base commit (or remove it when new)."""
     files = list(dict.fromkeys(task.hidden_files + [t.split("::", 1)[0] for t in task.FAIL_TO_PASS + task.PASS_TO_PASS
                                                     if "::" in t]))
+    # a conftest.py beside or above a test file can rewrite its outcome: those are reset too
+    for f in list(files):
+        parts = f.split("/")[:-1]
+        for i in range(len(parts) + 1):
+            c = "/".join([*parts[:i], "conftest.py"])
+            if c not in files:
+                files.append(c)
     lines = ["set -u"]
     for f in files:
         q = shlex.quote(f)
