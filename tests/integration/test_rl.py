@@ -141,6 +141,9 @@ async def test_env_explore_fix_and_diff_submission(client: shoal.Client, rl_task
     # out of steps: what is in the repository is graded (here the fix, applied at step 5 of 5)
     res = await run_episode(explore_then_fix, t, client, max_steps=5)
     assert res.truncated and res.outcome == RESOLVED
+    # out of time: the step after the limit grades (here nothing was changed yet)
+    res = await run_episode(lambda obs, ctx: "sleep 0.3", t, client, max_steps=50, time_limit_s=0.5)
+    assert res.truncated and res.outcome == EMPTY_PATCH and res.steps < 10
 
 
 async def test_env_state_and_errors(client: shoal.Client, rl_tasks: list[SWETask]) -> None:

@@ -119,7 +119,8 @@ class SandboxEnv:
 
     def __init__(self, task: Task, client: Any | None = None, *, max_steps: int = 50, step_timeout: float = 120.0,
                  partial_reward: bool = False, memory_mb: int = 1024, cpus: float = 1.0,
-                 grade_semaphore: asyncio.Semaphore | None = None, labels: dict[str, str] | None = None) -> None:
+                 grade_semaphore: asyncio.Semaphore | None = None, labels: dict[str, str] | None = None,
+                 time_limit_s: float | None = None) -> None:
         if not isinstance(task, (SWETask, HarborTask)):
             raise InvalidRequest(f"SandboxEnv needs a SWETask or HarborTask, got {type(task).__name__}")
         if max_steps < 1:
@@ -133,6 +134,10 @@ class SandboxEnv:
         self.memory_mb = memory_mb
         self.cpus = cpus
         self.labels = labels or {}
+        #: wall-clock budget of an episode (Harbor tasks: their agent timeout); past it, the next step grades
+        self.time_limit_s = time_limit_s if time_limit_s is not None else (
+            task.agent_timeout_s if isinstance(task, HarborTask) else None)
+        self._t_start = 0.0
         self._grade_sem = grade_semaphore
         self.sandbox: Any = None
         self._shell: Any = None
@@ -169,6 +174,7 @@ class SandboxEnv:
             kw["workdir"] = t.workdir
         self.sandbox = await self.client.create(t.image, **kw)
         self.timings["create"] = time.monotonic() - t0
+        self._t_start = time.monotonic()
         return self.task.prompt()
 
     async def _ensure_shell(self) -> Any:
@@ -203,7 +209,8 @@ class SandboxEnv:
 
     async def _count(self, res: StepResult) -> StepResult:
         self.steps += 1
-        if self.steps < self.max_steps:
+        out_of_time = self.time_limit_s is not None and time.monotonic() - self._t_start > self.time_limit_s
+        if self.steps < self.max_steps and not out_of_time:
             return res
         # out of steps: grade what is there, as agent harnesses auto-submit
         grade = await self.submit()
