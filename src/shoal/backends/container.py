@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shoal.backends.base import Backend
-from shoal.backends.oci import build_config
+from shoal.backends.oci import build_config, render_config
 from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.config import Paths
 from shoal.errors import InvalidRequest, SandboxError
@@ -60,6 +60,7 @@ class ContainerBackend(Backend):
         self.volatile = VolatileDirs(paths)
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
+        self._swap_cache: dict[int, tuple[float, int | None]] = {}
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -75,6 +76,16 @@ class ContainerBackend(Backend):
     def rootfs(self, rec: SandboxRecord) -> Path:
         """The merged overlay (the sandbox's / as the host sees it)."""
         return rec.path / "rootfs"
+
+    def _swap_mb(self, memory_mb: int) -> int | None:
+        # the swap policy reads /proc/swaps; it changes when zram is set up, not between two creates
+        now = time.monotonic()
+        hit = self._swap_cache.get(memory_mb)
+        if hit is not None and now - hit[0] < 1.0:
+            return hit[1]
+        val = sandbox_swap_mb(memory_mb)
+        self._swap_cache[memory_mb] = (now, val)
+        return val
 
     def make_dir(self, d: Path) -> None:
         """Create the sandbox directory: on the node's tmpfs when the writable layer is on the upper pool
@@ -125,9 +136,9 @@ class ContainerBackend(Backend):
                 rootfs=str(rootfs), guest_dir=str(self.guest_dir), hostname=spec.hostname or "sandbox",
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv,
-                swap_mb=sandbox_swap_mb(spec.memory_mb),
+                swap_mb=self._swap_mb(spec.memory_mb),
             )
-            (d / "config.json").write_text(json.dumps(cfg))
+            (d / "config.json").write_text(render_config(cfg))
             rec.save()
             r = await rt.run_detached(d, rec.cid, listener.fileno(), pid_file=d / "init.pid")
             if r.returncode != 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 from shoal.backends.seccomp import default_profile
@@ -26,7 +28,9 @@ AGENT_DIR_IN_SANDBOX = "/.shoal"
 AGENT_PATH_IN_SANDBOX = "/.shoal/shoal-agent"
 
 
+@functools.cache
 def _has_cap_sys_resource() -> bool:
+    # capabilities of the node process do not change while it runs
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -43,6 +47,26 @@ def _nofile() -> int:
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+
+
+_SECCOMP_MARK = "@@shoal-seccomp@@"
+
+
+@functools.cache
+def _default_seccomp() -> tuple[dict[str, Any], str]:
+    prof = default_profile()
+    return prof, json.dumps(prof)
+
+
+def render_config(cfg: dict[str, Any]) -> str:
+    """config.json text of `cfg` (from build_config), encoding the constant seccomp profile only once."""
+    linux = cfg.get("linux", {})
+    prof, encoded = _default_seccomp()
+    if linux.get("seccomp") == prof:
+        linux = dict(linux, seccomp=_SECCOMP_MARK)
+        text = json.dumps(dict(cfg, linux=linux))
+        return text.replace(f'"{_SECCOMP_MARK}"', encoded, 1)
+    return json.dumps(cfg)
 
 
 def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, str], cwd: str,

@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -231,7 +231,7 @@ class Node:
         now = time.time()
         rec = SandboxRecord(
             id=sid, backend=spec.backend, image=image.ref, image_digest=image.digest,
-            layers=[lay.hex for lay in image.layers], spec=asdict(spec), dir=str(d),
+            layers=[lay.hex for lay in image.layers], spec=_spec_dict(spec), dir=str(d),
             owner_pid=owner_pid, owner_start=owner_start, created_at=now,
             expires_at=(now + float(spec.ttl_s)) if spec.ttl_s else None,
             project=spec.project, labels=dict(spec.labels),
@@ -618,6 +618,11 @@ class Node:
             await asyncio.sleep(self.config.reap_interval_s)
             with contextlib.suppress(Exception):
                 await self.reap_once()
+
+
+def _spec_dict(spec: SandboxSpec) -> dict[str, Any]:
+    # what dataclasses.asdict gives for this flat spec, without its recursive deep copy
+    return {**vars(spec), "env": dict(spec.env), "labels": dict(spec.labels)}
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -62,9 +62,16 @@ def proc_starttime(pid: int) -> int | None:
         return None
 
 
+_identity: tuple[int, int] | None = None
+
+
 def my_identity() -> tuple[int, int]:
     """(pid, starttime) of this process: identifies an owner even across pid reuse."""
-    return os.getpid(), proc_starttime(os.getpid()) or 0
+    global _identity
+    pid = os.getpid()
+    if _identity is None or _identity[0] != pid:  # (recomputed in a forked child)
+        _identity = (pid, proc_starttime(pid) or 0)
+    return _identity
 
 
 @dataclass
