@@ -96,6 +96,10 @@ class Node:
         self._network = None
         #: memory promised to live sandboxes (MiB), for admission; recomputed by reconcile()
         self._committed_mb = 0
+        from shoal.node.pool import WarmPool
+
+        #: sandboxes created ahead of time and handed out by create() (off until configured)
+        self.pool = WarmPool(self)
 
     # ---- lifecycle of the node agent itself ---------------------------------------------------
     async def start(self, reap: bool = True, reconcile: bool = True) -> Node:
@@ -113,10 +117,17 @@ class Node:
         if reap:
             self._reaper = asyncio.create_task(self._reap_loop(), name="shoal-reaper")
         self._started = True
+        from shoal.node.pool import parse_pool_env
+
+        for image, size in parse_pool_env().items():
+            self.set_warm_pool(SandboxSpec(image=image), size)
         return self
 
     async def stop(self) -> None:
-        """Stop the reaper and drop agent connections. Sandboxes keep running (crash-only)."""
+        """Stop the reaper and drop agent connections. Sandboxes keep running (crash-only); pooled ones,
+        never handed out, are closed."""
+        if self.pool.active:
+            await self.pool.close()
         fncall = getattr(self, "_fncall_manager", None)
         if fncall is not None:
             # pooled fncall containers serve only this process's pools: they go with it
@@ -215,12 +226,20 @@ class Node:
 
     # ---- create / close -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
-        """Create one sandbox and wait until its agent answers."""
+        """Create one sandbox and wait until its agent answers (or hand out one from a warm pool)."""
         validate_spec(spec)
         image = self.store.resolve(spec.image)
+        if self.pool.active:
+            hit = await self.pool.take(spec, image)
+            if hit is not None:
+                return hit
         return await self._create(spec, image)
 
-    async def _create(self, spec: SandboxSpec, image: Image) -> SandboxInfo:
+    def set_warm_pool(self, spec: SandboxSpec, size: int) -> str:
+        """Keep `size` sandboxes of `spec` ready for create() (0 removes the pool). See shoal.node.pool."""
+        return self.pool.configure(spec, size)
+
+    async def _create(self, spec: SandboxSpec, image: Image, extra: dict[str, Any] | None = None) -> SandboxInfo:
         self._admit(spec)
         backend = self.backend(spec.backend)
         sid = new_sandbox_id(self.config.node_id)
@@ -235,7 +254,7 @@ class Node:
             owner_pid=owner_pid, owner_start=owner_start, created_at=now,
             expires_at=(now + float(spec.ttl_s)) if spec.ttl_s else None,
             project=spec.project, labels=dict(spec.labels),
-            extra={"workdir": image.config.workdir, "user": image.config.user})
+            extra={"workdir": image.config.workdir, "user": image.config.user, **(extra or {})})
         self._committed_mb += spec.memory_mb
         try:
             await backend.create(rec, spec, image)
@@ -271,7 +290,8 @@ class Node:
             async with sem:
                 res: SandboxInfo | ShoalError
                 try:
-                    res = await self._create(replace(spec), image)
+                    hit = await self.pool.take(spec, image) if self.pool.active else None
+                    res = hit if hit is not None else await self._create(replace(spec), image)
                 except ShoalError as e:
                     res = e
                 except Exception as e:
@@ -329,6 +349,8 @@ class Node:
                 continue
             if labels and any(rec.labels.get(k) != v for k, v in labels.items()):
                 continue
+            if rec.extra.get("pool"):
+                continue  # warm, not handed out to anyone yet
             out.append(self._info(rec))
         return out
 
@@ -554,6 +576,8 @@ class Node:
                     dead = not self.backend(rec.backend).alive(rec)
                 except ShoalError:
                     dead = False
+            if rec.extra.get("pool") and not rec.owner_alive():
+                dead = True  # a warm sandbox of a node process that is gone: nobody will hand it out
             if dead:
                 with contextlib.suppress(Exception):
                     await self.close(rec.id)
