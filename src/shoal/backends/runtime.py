@@ -33,6 +33,27 @@ _MEMFD_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcn
 _sealed: dict[tuple[int, str], str] = {}
 
 
+_LINK_DIR = "/run/shoal-exec"
+
+
+def _named_link(target: str, name: str) -> str:
+    """A symlink `<dir>/<pid>/<name>` to `target`: exec'd through it, the process is called `name` in ps
+    and perf (exec'd through /proc/<pid>/fd/N it would be called "N"). Links of dead pids are removed."""
+    with contextlib.suppress(OSError):
+        os.makedirs(_LINK_DIR, mode=0o700, exist_ok=True)
+        for entry in os.scandir(_LINK_DIR):
+            if entry.name.isdigit() and not os.path.exists(f"/proc/{entry.name}"):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        d = os.path.join(_LINK_DIR, str(os.getpid()))
+        os.makedirs(d, exist_ok=True)
+        link = os.path.join(d, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(link)
+        os.symlink(target, link)
+        return link
+    return target
+
+
 def sealed_executable(binary: str) -> str:
     """Path of a sealed in-memory copy of `binary` (/proc/<pid>/fd/N), or `binary` when that cannot work."""
     if os.environ.get("SHOAL_SEALED_RUNTIME", "1") == "0":
@@ -53,7 +74,7 @@ def sealed_executable(binary: str) -> str:
                 off += os.sendfile(fd, src.fileno(), off, size - off)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _MEMFD_SEALS)
         # the parent's fd table, not the child's: file actions of a spawn may reuse low fd numbers
-        candidate = f"/proc/{os.getpid()}/fd/{fd}"
+        candidate = _named_link(f"/proc/{os.getpid()}/fd/{fd}", os.path.basename(key[1]))
         # memfds may be non-executable on this host (vm.memfd_noexec): check before relying on it
         ok = subprocess.run([os.path.basename(binary), "--version"], executable=candidate, capture_output=True,
                             timeout=10).returncode == 0
