@@ -241,12 +241,15 @@ if os.fork() == 0:  # a daemon: double fork, own session, reparented away from t
         while True: time.sleep(1)
     os._exit(0)
 libc = ctypes.CDLL(None)
+rt = ctypes.CDLL('librt.so.1')
+print('mq', rt.mq_open(b'/leak', os.O_CREAT | os.O_RDWR, 0o600, None))
 print('shm', libc.shmget(0, 4096, 0o1600))
 """
 
 FIND_TRACES = """
 import json, os, sys
-left = [p for p in ('/tmp/leak', '/var/tmp/leak', '/dev/shm/leak', '/tmp/dir', 'in-workdir') if os.path.exists(p)]
+left = [p for p in ('/tmp/leak', '/var/tmp/leak', '/dev/shm/leak', '/tmp/dir', 'in-workdir', '/dev/mqueue/leak')
+        if os.path.exists(p)]
 print('files', left, sorted(os.listdir('.')), os.listdir('/tmp'))
 print('env', os.environ.get('LEAK'), os.environ.get('LEAK2'))
 print('modules', hasattr(json, 'LEAK'), 'leaked_module' in sys.modules)
@@ -257,7 +260,7 @@ print('shm', open('/proc/sysvipc/shm').read().count(chr(10)))
 async def test_nothing_leaks_between_consecutive_calls(solo) -> None:
     first = await solo.run_code(LEAVE_TRACES)
     assert first.status == "success", first
-    assert int(first.stdout.split()[-1]) >= 0  # the SysV segment was made
+    assert int(first.stdout.split()[-1]) >= 0 and int(first.stdout.split()[-3]) >= 0  # SysV shm and mqueue made
     second = await solo.run_code(FIND_TRACES)
     ps = await solo.run_code(PS)
     assert first.sandbox_id == second.sandbox_id == ps.sandbox_id, "the test needs one container"

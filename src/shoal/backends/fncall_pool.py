@@ -140,8 +140,10 @@ class Worker:
         try:
             client = await node.client(info.id)
             src = worker_source()
+            # LD_BIND_NOW: resolve every symbol once in the worker, not again (copying pages) in each forked call
             stream = await client.exec_stream(["python3", "-I", "-c", bootstrap(), str(len(src))], cwd="/",
-                                              user="root", stdin=True, max_output=0, timeout=None)
+                                              user="root", stdin=True, max_output=0, timeout=None,
+                                              env={"LD_BIND_NOW": "1"})
             w = cls(node, info.id, client, stream)
             w._reader = asyncio.get_running_loop().create_task(w._read_loop(), name=f"fncall-{info.id}")
             await stream.write_stdin(src + encode_message(dict(config)))

@@ -28,6 +28,7 @@ Never run this on a host: between calls it SIGKILLs every process it can see exc
 import json
 import marshal
 import os
+import resource
 import select
 import shutil
 import signal
@@ -43,6 +44,7 @@ _U32 = struct.Struct(">I")
 _ZEXIT = struct.Struct("<ciiqqqq")
 _SKIP_WALK = ("/proc", "/sys", "/dev", "/.shoal")
 _READ = 1 << 16
+_FSIZE_MB = [256]  # set from the configuration before the zygote starts
 
 #: what the host runs (``python3 -I -c BOOTSTRAP <len(source)>``): read the worker's source from stdin, run it
 BOOTSTRAP = (
@@ -68,8 +70,6 @@ def _ms(t0):
 
 
 def _cpu_s():
-    import resource
-
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
@@ -125,17 +125,17 @@ def _vm_size_kb():
     return 0
 
 
-def zygote_main(sock, preload, base_env):
+def zygote_main(sock, preload, base_env, main_path, cwd):
     """Import `preload`, report, then fork one child per spawn request and report its exit.
 
-    Everything every call needs is made here once, so a child touches (and copies) as few pages as
-    possible: the environment is the calls' base environment, stdio objects for fds 0-2 exist.
+    Everything that is the same for every call is done here once, so that a child runs as little
+    Python as possible — each object it touches is a page the kernel must copy: the environment is
+    the calls' base environment; stdio objects for fds 0-2, `__main__`, `sys.argv` and `sys.path`
+    are what a call's script sees; the file-size and core-dump limits are set.
     """
-    import builtins  # noqa: F401  (imported for the children)
+    import atexit
     import io
-    import marshal  # noqa: F401
-    import resource
-    import types  # noqa: F401
+    import types
 
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
@@ -153,28 +153,32 @@ def zygote_main(sock, preload, base_env):
             failed[name] = f"{type(e).__name__}: {e}"
     os.environ.clear()
     os.environ.update(base_env)
-    # the children's stdio: fds 0-2 are the call's pipes after the child's dup2s; the zygote never uses them
+    # what a call's script finds, as `python /sandbox/main.py` would give it
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
                                                  encoding="utf-8", errors="strict")
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
                                                    encoding="utf-8", errors="strict")
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
                                                    encoding="utf-8", errors="backslashreplace", line_buffering=True)
-    import gc
-
-    gc.collect()
-    # objects created so far are never freed: keep the collector from touching (and un-sharing) them
-    if hasattr(gc, "freeze"):
-        gc.freeze()
+    main = types.ModuleType("__main__")
+    main.__file__ = main_path
+    main.__cached__ = None
+    main.__builtins__ = __builtins__ if isinstance(__builtins__, dict) else __builtins__.__dict__
+    sys.modules["__main__"] = main
+    sys.argv = [main_path]
     try:
+        import array  # noqa: F401  (socket.recv_fds imports it on first use: not after sys.path changes)
         import ctypes
 
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (ImportError, OSError, AttributeError):
         prctl = None
     base_vm_kb = _vm_size_kb()
-    hard = {r: resource.getrlimit(r)[1] for r in
-            (resource.RLIMIT_CORE, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_AS)}
+    for res, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, int(_FSIZE_MB[0]) << 20)):
+        hard = resource.getrlimit(res)[1]
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        resource.setrlimit(res, (value, value))  # inherited by every call, never raised again
     try:
         # inherited by every child: the OOM killer takes a call's process (or, failing that, the zygote),
         # never the dispatcher. Raising needs no privilege; doing it once here saves it per call.
@@ -183,6 +187,16 @@ def zygote_main(sock, preload, base_env):
         os.close(fd)
     except OSError:
         pass
+    run_exitfuncs = atexit._run_exitfuncs
+    # last, after every import: an import would cache "no such directory" for the (absent) working dir
+    sys.path.insert(0, cwd)
+    sys.path_importer_cache.pop(cwd, None)
+    import gc
+
+    gc.collect()
+    # objects made so far live as long as the zygote: keep the collector from touching (un-sharing) them
+    if hasattr(gc, "freeze"):
+        gc.freeze()
     sock.send(json.dumps({"loaded": loaded, "failed": failed, "vm_kb": base_vm_kb}).encode())
     while True:
         try:
@@ -193,7 +207,7 @@ def zygote_main(sock, preload, base_env):
             os._exit(0)
         if not msg or msg[:1] == b"Q":
             os._exit(0)
-        if msg[:1] != b"S" or len(fds) != 4:
+        if msg[:1] != b"S" or len(fds) != 4 or len(msg) != 5:
             for fd in fds:
                 os.close(fd)
             continue
@@ -206,7 +220,7 @@ def zygote_main(sock, preload, base_env):
             continue
         if pid == 0:
             sock.close()
-            _child(fds, base_vm_kb, hard, prctl)  # never returns
+            _child(fds, _U32.unpack_from(msg, 1)[0], prctl, main, run_exitfuncs)  # never returns
         for fd in fds:
             os.close(fd)
         while True:
@@ -226,81 +240,58 @@ def zygote_main(sock, preload, base_env):
 
 
 # ---------------------------------------------------------------------------------------------- child
-def _child(fds, base_vm_kb, hard, prctl):
+def _child(fds, spec_size, prctl, main, run_exitfuncs):
     """In the forked child: become the call's process, then exec argv or run the python code."""
     spec_fd, stdin_fd, out_fd, err_fd = fds
     try:
         os.setsid()
-        import marshal
-        import resource
-
-        spec = marshal.loads(os.pread(spec_fd, os.fstat(spec_fd).st_size, 0))
-
-        def lim(res, value):
-            h = hard[res]
-            if h != resource.RLIM_INFINITY:
-                value = min(value, h)
-            resource.setrlimit(res, (value, value if h == resource.RLIM_INFINITY else h))
-
-        lim(resource.RLIMIT_CORE, 0)
-        if spec["cpu_s"]:
-            lim(resource.RLIMIT_CPU, spec["cpu_s"])
-        if spec["fsize_mb"]:
-            lim(resource.RLIMIT_FSIZE, spec["fsize_mb"] << 20)
-        if spec["memory_mb"]:
-            extra = base_vm_kb << 10 if spec["mode"] == "python" else 0
-            lim(resource.RLIMIT_AS, (spec["memory_mb"] << 20) + extra)
-        os.setgroups([])
-        os.setgid(spec["gid"])
-        os.setuid(spec["uid"])
-        if prctl is not None and spec["mode"] == "python":
-            # changing uid made the process non-dumpable, so /proc/self/{fd,mem,...} would belong to root;
-            # a program started by that user is dumpable (exec does this for the exec'd steps)
-            prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
-        os.chdir(spec["cwd"])
+        # (mode, argv, env, (uid, gid), cwd, cpu limit, address-space limit, code, file, args)
+        mode, argv, env, ids, cwd, cpu, mem, code, path, args = marshal.loads(os.pread(spec_fd, spec_size, 0))
+        resource.setrlimit(resource.RLIMIT_CPU, cpu)
+        if mem is not None:
+            resource.setrlimit(resource.RLIMIT_AS, mem)
+        os.setgroups(())
+        os.setgid(ids[1])
+        os.setuid(ids[0])
+        os.chdir(cwd)
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.closerange(3, 1 << 20)
-        for k, v in spec["env"].items():
-            os.environ[k] = v
-        if spec["mode"] != "python":
+        for k in env:
+            os.environ[k] = env[k]
+        if mode != "python":
             # Python ignores these; an exec'd program must get the defaults back (like subprocess does)
-            for sig in ("SIGPIPE", "SIGXFSZ", "SIGXFZ"):
-                if hasattr(signal, sig):
-                    signal.signal(getattr(signal, sig), signal.SIG_DFL)
-            argv = spec["argv"]
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
             try:
                 os.execvp(argv[0], argv)
             except OSError as e:
                 os.write(2, f"shoal: cannot execute {argv[0]}: {e.strerror}\n".encode())
                 os._exit(127)
+        if prctl is not None:
+            # changing uid made the process non-dumpable, so /proc/self/{fd,mem,...} would belong to root;
+            # a program started by that user is dumpable (exec does this for the exec'd steps)
+            prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+        if cwd in sys.path_importer_cache:
+            del sys.path_importer_cache[cwd]  # made by an import in the zygote while the dir did not exist
+        if path != main.__file__:
+            main.__file__ = path
+            sys.argv[0] = path
+        if args:
+            sys.argv.extend(args)
     except BaseException as e:
         try:
             os.write(err_fd, f"shoal: could not start the call: {type(e).__name__}: {e}\n".encode())
         except OSError:
             pass
         os._exit(127)
-    _run_python(spec["file"], spec["args"], spec["cwd"], spec["code"])
+    _run_python(path, code, main, run_exitfuncs)
 
 
-def _run_python(path, args, cwd, src):
-    """Run `path` as `__main__` in this (forked, warm) interpreter, exiting like `python path` would."""
-    import builtins
-    import types
-
+def _run_python(path, src, main, run_exitfuncs):
+    """Run `src` as `__main__` in this (forked, warm) interpreter, exiting like `python path` would."""
     code = 0
-    try:
-        sys.argv = [path, *args]
-        sys.path.insert(0, cwd)
-        main = types.ModuleType("__main__")
-        main.__file__ = path
-        main.__builtins__ = builtins
-        main.__cached__ = None
-        sys.modules["__main__"] = main
-    except BaseException as e:
-        os.write(2, f"shoal: could not start python: {type(e).__name__}: {e}\n".encode())
-        os._exit(127)
     try:
         exec(compile(src, path, "exec"), main.__dict__)
     except SystemExit as e:
@@ -318,7 +309,7 @@ def _run_python(path, args, cwd, src):
         except BaseException:
             pass
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
-    code = _shutdown(code)
+    code = _shutdown(code, run_exitfuncs)
     os._exit(code)
 
 
@@ -334,18 +325,16 @@ def _exit_code(value):
     return 1
 
 
-def _shutdown(code):
+def _shutdown(code, run_exitfuncs):
     """What the interpreter does at exit: join non-daemon threads, atexit handlers, flush stdio."""
     try:
         threading = sys.modules.get("threading")
-        if threading is not None and threading.active_count() > 1:
+        if threading is not None and len(threading._active) > 1:
             threading._shutdown()
     except BaseException:
         pass
     try:
-        import atexit
-
-        atexit._run_exitfuncs()
+        run_exitfuncs()
     except SystemExit as e:
         code = _exit_code(e.code)
     except BaseException:
@@ -370,7 +359,8 @@ class Dispatcher:
         self.fsize_mb = int(cfg.get("fsize_mb", 256))
         self.kill_grace_s = float(cfg.get("kill_grace_s", 5.0))
         self.base_env = dict(os.environ)
-        self.base_env.pop("HOSTNAME", None)
+        for k in ("HOSTNAME", "LD_BIND_NOW"):
+            self.base_env.pop(k, None)
         self.base_env.update({"HOME": self.workdir, "PWD": self.workdir, "USER": "sandbox", "LOGNAME": "sandbox"})
         self.base_env.update(cfg.get("env") or {})
         self.clean_dirs = {}
@@ -379,6 +369,10 @@ class Dispatcher:
         self.zsock = None
         self.zpid = 0
         self.devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        self.zygote_vm_kb = 0
+        self.ipc_fds = []
+        self.procs_clean = False
+        self.hard_limits = {}
         self.calls = 0
 
     # ---- startup
@@ -392,7 +386,9 @@ class Dispatcher:
         if pid == 0:
             parent.close()
             try:
-                zygote_main(child, list(self.cfg.get("preload") or []), self.base_env)
+                _FSIZE_MB[0] = self.fsize_mb
+                zygote_main(child, list(self.cfg.get("preload") or []), self.base_env,
+                            os.path.join(self.workdir, "main.py"), self.workdir)
             finally:
                 os._exit(1)
         child.close()
@@ -403,6 +399,7 @@ class Dispatcher:
         walk_ms = (time.monotonic() - t1) * 1000
         tools = {t: shutil.which(t, path=self.base_env.get("PATH")) for t in self.cfg.get("tools", [])}
         ready = json.loads(self.zsock.recv(1 << 20) or b"{}")
+        self.zygote_vm_kb = int(ready.get("vm_kb", 0))
         info = {"op": "ready", "pid": self.pid, "zygote": pid, "python": sys.version.split()[0],
                 "tools": tools, "preloaded": ready.get("loaded", []), "preload_failed": ready.get("failed", {}),
                 "clean_dirs": sorted(self.clean_dirs), "startup_ms": round((time.monotonic() - t0) * 1000, 1),
@@ -432,11 +429,16 @@ class Dispatcher:
                 if not stat.S_ISDIR(st.st_mode):
                     continue
                 if st.st_mode & 0o002 or st.st_uid == self.uid or (st.st_gid == self.gid and st.st_mode & 0o020):
-                    found.add(p)  # its contents are cleaned; no need to look inside
-                    continue
+                    found.add(p)  # and look inside: a writable dir the image has there is cleaned on its own
                 keep.append(d)
             dirs[:] = keep
         self.clean_dirs = {d: set(os.listdir(d)) for d in sorted(found)}
+        self.ipc_fds = []
+        for kind in ("shm", "msg", "sem"):
+            try:
+                self.ipc_fds.append((kind, os.open("/proc/sysvipc/" + kind, os.O_RDONLY | os.O_CLOEXEC)))
+            except OSError:
+                pass
 
     # ---- main loop
     def serve(self):
@@ -606,6 +608,15 @@ class Dispatcher:
             self._as_root()
         return out
 
+    def _limit(self, res, value):
+        """(soft, hard) = value, within the current hard limit: the call can never raise it."""
+        hard = self.hard_limits.get(res)
+        if hard is None:
+            hard = self.hard_limits[res] = resource.getrlimit(res)[1]
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        return value, value
+
     def _memfd(self, name, data):
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         view = memoryview(data)
@@ -617,11 +628,16 @@ class Dispatcher:
     def _run_step(self, step, env, stdin, max_out, code):
         """Start one step through the zygote; wait for it under its deadline; collect output."""
         timeout = float(step.get("timeout") or 10.0)
-        spec = {"mode": step.get("mode", "exec"), "argv": step.get("argv") or [], "file": step.get("file"),
-                "args": step.get("args") or [], "env": env, "cwd": self.workdir, "uid": self.uid, "gid": self.gid,
-                "memory_mb": int(step.get("memory_mb") or 0), "cpu_s": int(timeout) + 2, "fsize_mb": self.fsize_mb,
-                "code": code if step.get("mode") == "python" else None}
-        spec_fd = self._memfd("spec", marshal.dumps(spec))
+        self.procs_clean = False
+        mode = step.get("mode", "exec")
+        mem = int(step.get("memory_mb") or 0)
+        if mem:
+            extra = self.zygote_vm_kb << 10 if mode == "python" else 0  # a fork starts with the zygote's memory
+            mem = self._limit(resource.RLIMIT_AS, (mem << 20) + extra)
+        spec = marshal.dumps((mode, step.get("argv") or [], env, (self.uid, self.gid), self.workdir,
+                              self._limit(resource.RLIMIT_CPU, int(timeout) + 2), mem or None,
+                              code if mode == "python" else None, step.get("file"), step.get("args") or []))
+        spec_fd = self._memfd("spec", spec)
         stdin_fd = self._memfd("stdin", stdin) if stdin is not None else os.dup(self.devnull)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -632,7 +648,7 @@ class Dispatcher:
         bufs = {out_r: bytearray(), err_r: bytearray()}
         try:
             try:
-                socket.send_fds(self.zsock, [b"S"], [spec_fd, stdin_fd, out_w, err_w])
+                socket.send_fds(self.zsock, [b"S" + _U32.pack(len(spec))], [spec_fd, stdin_fd, out_w, err_w])
             finally:
                 for fd in (spec_fd, stdin_fd, out_w, err_w):
                     os.close(fd)
@@ -665,7 +681,8 @@ class Dispatcher:
                         res["duration_ms"] = round((time.monotonic() - t0) * 1000, 3)
                         poller.unregister(zfd)
                         # the main process is gone: nothing of the call may outlive it
-                        if not self.kill_others():
+                        self.procs_clean = self.kill_others()
+                        if not self.procs_clean:
                             res["unkillable"] = True
                         drain_deadline = time.monotonic() + self.kill_grace_s
                         continue
@@ -741,8 +758,10 @@ class Dispatcher:
     def cleanup(self):
         """Return the container to its pristine state; returns a list of problems (empty = clean)."""
         problems = []
-        if not self.kill_others():
+        # after a step whose processes were all found dead, none can have started since
+        if not self.procs_clean and not self.kill_others():
             problems.append("processes survived SIGKILL")
+        self.procs_clean = False
         try:
             if os.path.lexists(self.workdir):
                 self._remove(self.workdir)
@@ -798,23 +817,21 @@ class Dispatcher:
         """Remove SysV shared memory, semaphores and message queues (they outlive their processes)."""
         problems = []
         kinds = []
-        for kind in ("shm", "msg", "sem"):
+        for kind, fd in self.ipc_fds:
             try:
-                fd = os.open("/proc/sysvipc/" + kind, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                data = os.read(fd, 1 << 16)
+                data = os.pread(fd, 1 << 16, 0)
                 if data.count(b"\n") <= 1:
                     continue  # the header line only: nothing to remove (the usual case)
+                parts, off = [data], len(data)
                 while True:
-                    more = os.read(fd, 1 << 16)
+                    more = os.pread(fd, 1 << 16, off)
                     if not more:
                         break
-                    data += more
-            finally:
-                os.close(fd)
-            lines = data.decode().splitlines()[1:]
+                    parts.append(more)
+                    off += len(more)
+            except OSError:
+                continue
+            lines = b"".join(parts).decode().splitlines()[1:]
             ids = [int(line.split()[1]) for line in lines if line.strip()]
             if ids:
                 kinds.append((kind, ids))
