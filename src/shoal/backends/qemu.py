@@ -1,13 +1,16 @@
 """QEMU as a VMM: the command line of a sandbox VM, launching it detached, and a small QMP client.
 
-A VM's QEMU is started with `-daemonize`, so it is nobody's child: a node agent that dies leaves its VMs
+A VM's QEMU is started through `setsid -f`, so it is nobody's child: a node agent that dies leaves its VMs
 running, and the next one finds them by the pid in the record and reaches them again through the Unix
-sockets in the sandbox directory (crash-only, like containers):
+sockets in the sandbox directory (crash-only, like containers). QEMU runs under its own seccomp filter
+(`-sandbox on,…,spawn=deny`): it cannot exec, setuid or change scheduling, so migrations go to file
+descriptors handed over QMP rather than to `exec:` commands.
 
     $SANDBOX_DIR/agent.sock    virtio-serial port `shoal.agent` (the in-sandbox agent, one byte stream)
     $SANDBOX_DIR/qmp.sock      QMP (stop/cont, balloon, migration to a file)
     $SANDBOX_DIR/console.log   the guest's serial console (kernel and init messages; shown when boot fails)
     $SANDBOX_DIR/qemu.pid      QEMU's pid
+    $SANDBOX_DIR/qemu.log      QEMU's own stderr (startup errors)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -129,8 +133,12 @@ def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False)
         "-chardev", f"socket,id=agent,path={f['agent']},server=on,wait=off",
         "-device", dev("virtio-serial"), "-device", "virtserialport,chardev=agent,name=shoal.agent",
         "-qmp", f"unix:{f['qmp']},server=on,wait=off",
-        "-pidfile", str(f["pid"]), "-daemonize",
     ]
+    if os.environ.get("SHOAL_VM_SECCOMP", "1") != "0":
+        # QEMU runs as root and parses what the guest does: confine it with its seccomp filter (no exec,
+        # no setuid, no scheduler/affinity changes, no obsolete syscalls). Migration therefore goes to a
+        # file descriptor we pass in (migrate_fd), never to an `exec:` command.
+        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
     if cfg.ram == "memfd":
         argv += ["-object", f"memory-backend-memfd,id=ram0,size={cfg.memory_mb}M,share=on",
                  "-machine", "memory-backend=ram0"]
@@ -188,22 +196,47 @@ def console_fatal(d: Path) -> str | None:
     return None
 
 
+# `setsid -f` forks, so QEMU is nobody's child (it outlives this process) and leads its own session; the
+# shell records its own pid (which exec makes QEMU's) before anything can fail. QEMU's -daemonize is not
+# used: its fork+setsid happen after the seccomp filter is installed, which then forbids them.
+_LAUNCH = 'echo $$ > "$1"; log="$2"; shift 2; exec "$@" >> "$log" 2>&1 < /dev/null'
+
+
 async def launch(argv: list[str], d: Path, timeout: float = 60.0) -> tuple[int, int]:
-    """Start QEMU detached; returns (pid, starttime) once it has initialized (or raises with its stderr)."""
+    """Start QEMU detached; returns (pid, starttime) once its monitor answers (or raises with its stderr)."""
     from shoal.host.spawn import run
 
-    r = await run(argv, timeout=timeout)
+    f = sandbox_files(d)
+    log = d / "qemu.log"
+    r = await run(["setsid", "-f", "/bin/sh", "-c", _LAUNCH, "sh", str(f["pid"]), str(log), *argv], timeout=30)
     if r.returncode != 0:
-        msg = (r.stderr or r.stdout).decode(errors="replace").strip()
-        raise SandboxError(f"QEMU could not start the VM: {msg[-1500:] or f'exit {r.returncode}'}")
-    try:
-        pid = int(sandbox_files(d)["pid"].read_text().strip())
-    except (OSError, ValueError) as e:
-        raise SandboxError(f"QEMU started but wrote no pid file: {e}") from e
-    start = proc_starttime(pid)
-    if start is None:
-        raise SandboxError(f"QEMU exited right after starting: {console_tail(d)}")
-    return pid, start
+        raise SandboxError(f"could not start QEMU: {r.stderr.decode(errors='replace').strip()[-500:]}")
+    deadline = time.monotonic() + timeout
+    pid = 0
+    start: int | None = None
+    while True:
+        if not pid:
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(f["pid"].read_text().strip())
+                start = proc_starttime(pid)
+        if pid and proc_starttime(pid) is None:
+            msg = ""
+            with contextlib.suppress(OSError):
+                msg = log.read_text(errors="replace").strip()
+            raise SandboxError(f"QEMU could not start the VM: {msg[-1500:] or 'it exited at once'}")
+        if pid and start and f["qmp"].exists():
+            try:
+                q = await Qmp.connect(f["qmp"], timeout=max(1.0, deadline - time.monotonic()))
+            except SandboxError:
+                pass
+            else:
+                await q.close()
+                return pid, start
+        if time.monotonic() > deadline:
+            if pid:
+                await kill_and_wait(pid, start)
+            raise Timeout(f"QEMU did not come up within {timeout:.0f}s")
+        await asyncio.sleep(0.005)
 
 
 def qemu_pid_for(d: Path) -> int | None:
@@ -310,23 +343,71 @@ async def qmp(d: Path, timeout: float = 10.0) -> AsyncIterator[Qmp]:
         await q.close()
 
 
-async def wait_migration(q: Qmp, timeout: float, what: str) -> dict[str, Any]:
-    """Poll query-migrate until the migration completed; raise on failure or timeout."""
-    deadline = time.monotonic() + timeout
-    delay = 0.005
+def _qmp_line(f: Any) -> dict[str, Any]:
+    line = f.readline()
+    if not line:
+        raise SandboxError("QEMU closed its monitor connection (did the VM exit?)")
+    return json.loads(line)
+
+
+def _qmp_sync(sock: socket.socket, f: Any, command: str, arguments: dict[str, Any] | None = None,
+              fds: list[int] | None = None) -> Any:
+    msg: dict[str, Any] = {"execute": command}
+    if arguments:
+        msg["arguments"] = arguments
+    data = json.dumps(msg).encode() + b"\r\n"
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
     while True:
-        info = await q.execute("query-migrate") or {}
-        status = info.get("status")
-        if status == "completed":
-            return info
-        if status in ("failed", "cancelled"):
-            raise SandboxError(f"{what} failed: {info.get('error-desc', status)}")
-        if time.monotonic() > deadline:
-            with contextlib.suppress(Exception):
-                await q.execute("migrate_cancel")
-            raise Timeout(f"{what} did not finish within {timeout:.0f}s (status {status})")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        m = _qmp_line(f)
+        if "event" in m:
+            continue
+        if "error" in m:
+            raise QmpError(f"QEMU refused {command}: {m['error'].get('desc', m['error'])}")
+        return m.get("return")
+
+
+def migrate_fd(d: Path, file: Path, *, incoming: bool, timeout: float) -> dict[str, Any]:
+    """Save the VM's state to `file` (or load it into a QEMU started with `-incoming defer`) through a file
+    descriptor handed to QEMU over QMP (SCM_RIGHTS): works under QEMU's seccomp sandbox, which forbids the
+    `exec:` migration transport. Blocking: run it in a thread; the VM must be stopped when saving."""
+    fh = open(file, "rb" if incoming else "wb")  # noqa: SIM115 - closed below, after QEMU took its own copy
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(sandbox_files(d)["qmp"]))
+        f = sock.makefile("rb")
+        _qmp_line(f)  # greeting
+        _qmp_sync(sock, f, "qmp_capabilities")
+        _qmp_sync(sock, f, "getfd", {"fdname": "shoal-migration"}, fds=[fh.fileno()])
+        if incoming:
+            _qmp_sync(sock, f, "migrate-incoming", {"uri": "fd:shoal-migration"})
+        else:
+            _qmp_sync(sock, f, "migrate-set-parameters", {"max-bandwidth": 1 << 40})
+            _qmp_sync(sock, f, "migrate", {"uri": "fd:shoal-migration"})
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        what = "loading the VM's memory" if incoming else "saving the VM's memory"
+        while True:
+            info = _qmp_sync(sock, f, "query-migrate") or {}
+            status = info.get("status")
+            if status == "completed":
+                return info
+            if status in ("failed", "cancelled"):
+                raise SandboxError(f"{what} failed: {info.get('error-desc', status)}")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(Exception):
+                    _qmp_sync(sock, f, "migrate_cancel")
+                raise Timeout(f"{what} did not finish within {timeout:.0f}s (status {status})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+    except OSError as e:
+        raise SandboxError(f"talking to QEMU's monitor in {d} failed: {e}") from e
+    finally:
+        sock.close()
+        fh.close()
 
 
 async def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> bool:

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,11 +39,11 @@ from shoal.backends.qemu import (
     host_tsc_khz,
     kill_and_wait,
     launch,
+    migrate_fd,
     qemu_argv,
     qemu_pid_for,
     qmp,
     sandbox_files,
-    wait_migration,
 )
 from shoal.errors import (
     BackendUnavailable,
@@ -450,22 +449,21 @@ async def _save(rec: SandboxRecord, dest: Path) -> dict[str, Any]:
     cfg = MachineConfig.from_dict(rec.extra["vm"])
     mem = dest / "memory.bin"
     t0 = time.monotonic()
+    # QEMU serves one monitor client at a time: each step opens its own short session
     async with qmp(rec.path) as q:
-        status = (await q.execute("query-status"))["status"]
-        was_running = status == "running"
+        was_running = (await q.execute("query-status"))["status"] == "running"
         if was_running:
             await q.execute("stop")
-        try:
-            await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
-            await q.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(mem))}"})
-            await wait_migration(q, timeout=_env_float("SHOAL_VM_SNAPSHOT_TIMEOUT", 600),
-                                 what="saving the VM's memory")
-            # the vCPUs are stopped and QEMU flushed the disks: their files match the saved memory
-            for drv in cfg.drives:
-                if not drv.readonly:
-                    await asyncio.to_thread(copy_sparse, Path(drv.path), dest / Path(drv.path).name)
-        finally:
-            if was_running:
+    try:
+        await asyncio.to_thread(migrate_fd, rec.path, mem, incoming=False,
+                                timeout=_env_float("SHOAL_VM_SNAPSHOT_TIMEOUT", 600))
+        # the vCPUs are stopped and QEMU flushed the disks: their files match the saved memory
+        for drv in cfg.drives:
+            if not drv.readonly:
+                await asyncio.to_thread(copy_sparse, Path(drv.path), dest / Path(drv.path).name)
+    finally:
+        if was_running:
+            async with qmp(rec.path) as q:
                 await q.execute("cont")
     return {"memory_bytes": mem.stat().st_size, "save_s": round(time.monotonic() - t0, 3), "paused": not was_running}
 
@@ -572,10 +570,9 @@ async def _restore_one(node: Node, snap: Path, meta: dict[str, Any]) -> SandboxI
         pid, start = await launch(qemu_argv(qemu, cfg, d, incoming=True), d)
         rec.init_pid, rec.init_start = pid, start
         rec.save()
+        await asyncio.to_thread(migrate_fd, d, snap / "memory.bin", incoming=True,
+                                timeout=_env_float("SHOAL_VM_SNAPSHOT_TIMEOUT", 600))
         async with qmp(d) as q:
-            await q.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(snap / 'memory.bin'))}"})
-            await wait_migration(q, timeout=_env_float("SHOAL_VM_SNAPSHOT_TIMEOUT", 600),
-                                 what="loading the VM's memory")
             await q.execute("cont")
             if cfg.balloon:
                 await q.execute("balloon", {"value": cfg.memory_mb << 20})
