@@ -57,6 +57,12 @@ def qemu_memory(pid: int) -> dict[str, float]:
             "tcg_cache_mib": tcg / mib, "kernel_image_mib": kernel / mib, "vmm_mib": other / mib}
 
 
+def qemu_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) QEMU has used so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
@@ -105,8 +111,13 @@ async def run_vm_bench(client: shoal.Client | None = None, n: int = 3, memory_mb
         out["microvm_exec_ms"] = round(1000 * statistics.median(execs), 2)
         say("idle 5 s, then reading QEMU's memory")
         await asyncio.sleep(5)
-        mems = [qemu_memory(node.record(sb.id).init_pid) for sb in sbs]
+        pids = [node.record(sb.id).init_pid for sb in sbs]
+        mems = [qemu_memory(p) for p in pids]
         out["microvm_idle_memory_mib"] = {k: round(statistics.median(m[k] for m in mems), 1) for k in mems[0]}
+        c0 = [qemu_cpu_s(p) for p in pids]
+        await asyncio.sleep(5)
+        cpu = [100 * (qemu_cpu_s(p) - c) / 5 for p, c in zip(pids, c0, strict=True)]
+        out["microvm_idle_cpu_pct"] = round(statistics.median(cpu), 2)
         # pause: balloon + stop, then what the host got back
         sb = sbs[0]
         pid = node.record(sb.id).init_pid
@@ -159,6 +170,8 @@ async def run_vm_bench(client: shoal.Client | None = None, n: int = 3, memory_mb
         {"name": f"microVM boot to first exec ({accel})", "shoal": boot_med, "unit": "s", "better": "lower",
          "target": 0.15 if accel == "kvm" else None, "met": (boot_med <= 0.15) if accel == "kvm" else None},
         {"name": f"microVM exec round trip ({accel})", "shoal": out["microvm_exec_ms"], "unit": "ms",
+         "better": "lower"},
+        {"name": f"idle microVM CPU ({accel})", "shoal": out["microvm_idle_cpu_pct"], "unit": "% of a core",
          "better": "lower"},
         {"name": f"idle microVM host RSS ({accel}, {memory_mb} MiB guest)", "shoal": mem["rss_mib"], "unit": "MiB",
          "better": "lower"},
