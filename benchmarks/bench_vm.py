@@ -83,8 +83,9 @@ async def _boot_many(client: shoal.Client, backend: str, image: str, n: int, mem
     return sbs, boot, phases
 
 
-async def run_vm_bench(client: shoal.Client | None = None, n: int = 3, memory_mb: int = 512, full_vm: bool = True,
-                       quick: bool = False, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+async def run_vm_bench(client: shoal.Client | None = None, node: Any = None, n: int = 3, memory_mb: int = 512,
+                       full_vm: bool = True, quick: bool = False,
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Boot `n` microVMs (and one full VM), measure boot-to-first-exec, idle memory, pause, fork."""
     from shoal.host.kvm import kvm_status
 
@@ -94,7 +95,7 @@ async def run_vm_bench(client: shoal.Client | None = None, n: int = 3, memory_mb
         client = shoal.Client()
         await client.__aenter__()
     assert client is not None
-    node = client.transport.node  # type: ignore[attr-defined]
+    node = node or client.transport.node  # type: ignore[attr-defined]
     st = kvm_status()
     accel = "kvm" if st.usable else "tcg"
     out: dict[str, Any] = {"accel": accel, "accel_detail": st.detail, "n": n, "memory_mb": memory_mb}
