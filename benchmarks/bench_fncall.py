@@ -172,10 +172,13 @@ async def bench_shoal_sdk(n: int, concurrency: int, snippet: str, expect: str, w
 # ---- HTTP (shoal fncall serve, SandboxFusion) ------------------------------------------------------------------
 async def bench_http(name: str, url: str, n: int, concurrency: int, snippet: str, expect: str, warmup: int,
                      extra: dict[str, Any] | None = None, own_cpu: Any = None) -> dict[str, Any]:
-    """SandboxFusion `/run_code` requests, `concurrency` in flight."""
+    """SandboxFusion `/run_code` requests, `concurrency` in flight, sent with aiohttp (what SandboxFusion's own
+    async client uses; lighter than httpx, and the load generator shares the machine's cores)."""
+    import aiohttp
+
     body = {"code": snippet, "language": "python", "compile_timeout": 10, "run_timeout": 10}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(base_url=url, connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as http:
         sem = asyncio.Semaphore(concurrency)
         lat: list[float] = []
         ok = 0
@@ -186,7 +189,8 @@ async def bench_http(name: str, url: str, n: int, concurrency: int, snippet: str
             async with sem:
                 t = time.monotonic()
                 try:
-                    r = (await http.post("/run_code", json=body)).json()
+                    async with http.post("/run_code", json=body) as resp:
+                        r = await resp.json()
                 except Exception as e:
                     errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
                     return

@@ -35,7 +35,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.backends.fncall import FncallManager, get_pool_manager
@@ -217,9 +217,11 @@ async def run_fusion(mgr: FncallManager, req: RunCodeRequest) -> RunCodeResponse
 # ---- routes ---------------------------------------------------------------------------------------------
 @router.post("/run_code", response_model=RunCodeResponse, tags=["fncall"],
              summary="Run code (SandboxFusion-compatible)")
-async def run_code(req: RunCodeRequest, mgr: FncallManager = Depends(current_manager)) -> RunCodeResponse:
+async def run_code(req: RunCodeRequest, mgr: FncallManager = Depends(current_manager)) -> Response:
     """Run a snippet in a fresh process of a warm pooled container; SandboxFusion's request and answer."""
-    return await run_fusion(mgr, req)
+    r = await run_fusion(mgr, req)
+    # serialized once here: the answer is already the validated model (this is the hot path of reward loops)
+    return Response(r.model_dump_json(), media_type="application/json")
 
 
 @router.post("/run_code_many", response_model=RunCodeManyResponse, tags=["fncall"],
