@@ -22,7 +22,16 @@ from shoal.fsutil import tmp_name
 from shoal.server.codec import b64decode_field, encode_run_code_result
 from shoal.server.deps import Namespace, authorized, require_admin, state_of
 from shoal.server.responses import errors
-from shoal.server.schemas import NEW_IMAGE_RE, BuildIn, ImageList, NewImageName, RunCodeIn
+from shoal.server.schemas import (
+    NEW_IMAGE_RE,
+    BuildIn,
+    EnvStep,
+    ImageList,
+    NewImageName,
+    RunCodeIn,
+    RunStep,
+    WorkdirStep,
+)
 from shoal.server.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["images"])
@@ -86,10 +95,11 @@ async def remove_image(ref: RefPath, request: Request, who: Who) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/images/build", response_model=dict[str, Any], responses=errors(403, 501, 503),
+@router.post("/images/build", response_model=dict[str, Any], responses=errors(403, 404, 500, 501, 503),
              summary="Build an image")
 async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, Any]:
-    """Build the built-in `base` image (admin tokens), or a recipe when this build supports it."""
+    """Build an image from a recipe (run/env/workdir/user steps, each cached as a layer), or the built-in
+    `base` (admin tokens). The image belongs to the caller's project."""
     st = state_of(request)
     ns = Namespace(who)
     if body.recipe is None:
@@ -105,12 +115,30 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
         img = await asyncio.to_thread(build_base, st.node.store, ref)
         return ns.show_image(img.to_dict())
     try:
-        from shoal.images.recipe import build_recipe  # type: ignore[import-not-found]
+        from shoal.images import recipe as rmod
     except ImportError:
-        raise NotImplementedYet("building images from recipes over the API is not available in this build; "
-                                "build on the server with `shoal image build`") from None
-    img = await asyncio.to_thread(build_recipe, st.node.store, ns.for_write(body.name), body.recipe)
-    return ns.show_image(img.to_dict() if hasattr(img, "to_dict") else dataclasses.asdict(img))
+        raise NotImplementedYet("building images from recipes is not available in this build") from None
+    rin = body.recipe
+    steps: list[Any] = []
+    for stp in rin.steps:
+        if isinstance(stp, RunStep):
+            steps.append(rmod.Run(stp.run, network=stp.network, timeout=stp.timeout))
+        elif isinstance(stp, EnvStep):
+            steps.append(rmod.Env(dict(stp.env)))
+        elif isinstance(stp, WorkdirStep):
+            steps.append(rmod.Workdir(stp.workdir))
+        else:
+            steps.append(rmod.User(stp.user))
+    recipe = rmod.Recipe(ref=ns.for_write(body.name), base=ns.for_read(st, rin.from_), steps=steps,
+                         network=rin.network, env=dict(rin.env), workdir=rin.workdir, user=rin.user, cpus=rin.cpus,
+                         memory_mb=rin.memory_mb, disk_mb=rin.disk_mb)
+    # each step runs in a sandbox of this size: it counts against the project's quota while it builds
+    res = st.quotas.reserve(who, 1, rin.cpus, rin.memory_mb)
+    try:
+        img = await rmod.build_recipe(st.node, recipe, no_cache=rin.no_cache)
+    finally:
+        res.release()
+    return ns.show_image(img.to_dict())
 
 
 @router.post("/images/import", response_model=dict[str, Any], responses=errors(403, 501, 503),
@@ -158,12 +186,6 @@ async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]
     return _report(ns, rep)
 
 
-def _str(v: Any, name: str) -> str:
-    if not isinstance(v, str):
-        raise InvalidRequest(f"{name} must be a base64 string")
-    return v
-
-
 def jsonable(obj: Any) -> Any:
     """Turn a result object (dataclass, pydantic model, bytes…) into JSON-friendly data."""
     if hasattr(obj, "to_dict"):
@@ -186,17 +208,13 @@ def jsonable(obj: Any) -> Any:
 async def run_code(body: RunCodeIn, request: Request, who: Who) -> dict[str, Any]:
     """Run a short snippet in a warm pool (no sandbox to manage); extra fields go to the backend."""
     st = state_of(request)
-    extra = dict(body.model_extra or {})
-    # the SDK sends bytes as base64 (stdin_b64, files_b64)
-    if "stdin_b64" in extra:
-        extra["stdin"] = b64decode_field(_str(extra.pop("stdin_b64"), "stdin_b64"), "stdin_b64")
-    if "files_b64" in extra:
-        fb = extra.pop("files_b64")
-        if not isinstance(fb, dict):
-            raise InvalidRequest("files_b64 must map paths to base64 strings")
-        files = dict(extra.get("files") or {}) if isinstance(extra.get("files") or {}, dict) else {}
-        for path, v in fb.items():
-            files[path] = b64decode_field(_str(v, f"files_b64.{path}"), f"files_b64.{path}")
+    extra = body.model_dump(exclude_unset=True, exclude={"code", "language", "stdin_b64", "files_b64"})
+    if body.stdin_b64 is not None:
+        extra["stdin"] = b64decode_field(body.stdin_b64, "stdin_b64")
+    if body.files_b64:
+        files: dict[str, Any] = dict(extra.get("files") or {})
+        for path, v in body.files_b64.items():
+            files[path] = b64decode_field(v, f"files_b64.{path}")
         extra["files"] = files
     try:
         res = await st.node.run_code(body.code, language=body.language, **extra)

@@ -40,6 +40,7 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 Who = Annotated[Principal, Depends(authorized)]
 SidPath = Annotated[str, PathParam(max_length=200, description="sandbox id (`<node>-<26 chars>`)")]
 _SPEC_FIELDS = {f.name for f in fields(SandboxSpec)}
+ShellId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="shell id from open_shell")]
 LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]+=.*$", max_length=2048)]
 
 
@@ -83,9 +84,21 @@ def _batch(items: list[dict[str, Any]]) -> dict[str, Any]:
     return {"items": items, "created": ok, "failed": len(items) - ok}
 
 
-@router.post("", status_code=201, response_model=SandboxOut, responses=errors(403, 404, 500, 503, 504),
-             summary="Create a sandbox")
-async def create(body: SpecIn, request: Request, who: Who) -> dict[str, Any]:
+_SB = "$response.body#/id"
+_ON_SANDBOX = ("get_sandbox", "close_sandbox", "exec_command", "read_file", "write_file", "list_dir", "open_shell",
+               "pause_sandbox", "resume_sandbox", "snapshot_sandbox", "fork_sandbox")
+
+
+def _links(status: int, base: dict[int | str, Any], targets: dict[str, dict[str, str]]) -> dict[int | str, Any]:
+    """OpenAPI links from a response to the operations its values feed (for clients and stateful fuzzers)."""
+    out = dict(base)
+    out[status] = {"links": {op: {"operationId": op, "parameters": params} for op, params in targets.items()}}
+    return out
+
+
+@router.post("", status_code=201, response_model=SandboxOut, summary="Create a sandbox",
+             responses=_links(201, errors(403, 404, 500, 503, 504), {op: {"sandbox_id": _SB} for op in _ON_SANDBOX}))
+async def create_sandbox(body: SpecIn, request: Request, who: Who) -> dict[str, Any]:
     """Create one sandbox and wait until it is ready (its agent answers)."""
     st = state_of(request)
     spec = _spec(st, who, body)
@@ -99,7 +112,7 @@ async def create(body: SpecIn, request: Request, who: Who) -> dict[str, Any]:
 
 
 @router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 503), summary="Create many sandboxes")
-async def create_batch(body: BatchIn, request: Request, who: Who) -> dict[str, Any]:
+async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[str, Any]:
     """Create `n` sandboxes of one spec in one request; each item is a sandbox or the error it met
     (quota and capacity refusals are per item, so a burst gets as many as fit)."""
     st = state_of(request)
@@ -157,7 +170,7 @@ async def list_sandboxes(request: Request, who: Who,
 
 
 @router.get("/{sandbox_id}", response_model=SandboxOut, responses=errors(404), summary="Get a sandbox")
-async def get(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
+async def get_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
     """One sandbox's state, spec and expiry."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -165,7 +178,7 @@ async def get(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]
 
 
 @router.delete("/{sandbox_id}", status_code=204, responses=SANDBOX_ERRORS, summary="Close a sandbox")
-async def close(sandbox_id: SidPath, request: Request, who: Who) -> Response:
+async def close_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> Response:
     """Destroy the sandbox and everything it had on the host."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -176,7 +189,7 @@ async def close(sandbox_id: SidPath, request: Request, who: Who) -> Response:
 
 @router.post("/{sandbox_id}/exec", response_model=ExecOut, response_model_exclude_none=True,
              responses=SANDBOX_ERRORS, summary="Run a command to completion")
-async def exec_(sandbox_id: SidPath, body: ExecIn, request: Request, who: Who) -> dict[str, Any]:
+async def exec_command(sandbox_id: SidPath, body: ExecIn, request: Request, who: Who) -> dict[str, Any]:
     """Run a command; the answer carries exit code, output, duration and whether it timed out."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -229,9 +242,11 @@ async def list_dir(sandbox_id: SidPath, request: Request, who: Who,
     return {"entries": [e.__dict__ for e in entries]}
 
 
-@router.post("/{sandbox_id}/shells", status_code=201, response_model=ShellOut, responses=SANDBOX_ERRORS,
-             summary="Open a persistent shell")
-async def shell_open(sandbox_id: SidPath, body: ShellOpenIn, request: Request, who: Who) -> dict[str, Any]:
+@router.post("/{sandbox_id}/shells", status_code=201, response_model=ShellOut, summary="Open a persistent shell",
+             responses=_links(201, SANDBOX_ERRORS, {op: {"sandbox_id": "$request.path.sandbox_id",
+                                                         "shell_id": "$response.body#/shell_id"}
+                                                    for op in ("run_in_shell", "close_shell")}))
+async def open_shell(sandbox_id: SidPath, body: ShellOpenIn, request: Request, who: Who) -> dict[str, Any]:
     """Start a bash session whose cwd, environment and functions persist between commands."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -240,7 +255,7 @@ async def shell_open(sandbox_id: SidPath, body: ShellOpenIn, request: Request, w
 
 @router.post("/{sandbox_id}/shells/{shell_id}/run", response_model=ExecOut, response_model_exclude_none=True,
              responses=SANDBOX_ERRORS, summary="Run a command in a shell")
-async def shell_run(sandbox_id: SidPath, shell_id: str, body: ShellRunIn, request: Request,
+async def run_in_shell(sandbox_id: SidPath, shell_id: ShellId, body: ShellRunIn, request: Request,
                     who: Who) -> dict[str, Any]:
     """Run one command in the session (a timeout interrupts the command; the shell lives on)."""
     st = state_of(request)
@@ -253,7 +268,7 @@ async def shell_run(sandbox_id: SidPath, shell_id: str, body: ShellRunIn, reques
 
 @router.delete("/{sandbox_id}/shells/{shell_id}", status_code=204, responses=SANDBOX_ERRORS,
                summary="Close a shell")
-async def shell_close(sandbox_id: SidPath, shell_id: str, request: Request, who: Who) -> Response:
+async def close_shell(sandbox_id: SidPath, shell_id: ShellId, request: Request, who: Who) -> Response:
     """End the session and what still runs in it."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -262,7 +277,7 @@ async def shell_close(sandbox_id: SidPath, shell_id: str, request: Request, who:
 
 
 @router.post("/{sandbox_id}/pause", response_model=SandboxOut, responses=SANDBOX_ERRORS, summary="Pause")
-async def pause(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
+async def pause_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
     """Freeze the sandbox (any later request resumes it)."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -271,7 +286,7 @@ async def pause(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, An
 
 
 @router.post("/{sandbox_id}/resume", response_model=SandboxOut, responses=SANDBOX_ERRORS, summary="Resume")
-async def resume(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
+async def resume_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
     """Thaw a paused sandbox."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -279,9 +294,10 @@ async def resume(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, A
     return Namespace(who).show_info(await st.node.get(sandbox_id))
 
 
-@router.post("/{sandbox_id}/snapshot", response_model=dict[str, Any], responses=errors(404, 409, 500, 501, 503),
-             summary="Snapshot into a new image")
-async def snapshot(sandbox_id: SidPath, body: SnapshotIn, request: Request, who: Who) -> dict[str, Any]:
+@router.post("/{sandbox_id}/snapshot", response_model=dict[str, Any], summary="Snapshot into a new image",
+             responses=_links(200, errors(404, 409, 500, 501, 503),
+                              {op: {"ref": "$response.body#/ref"} for op in ("get_image", "remove_image")}))
+async def snapshot_sandbox(sandbox_id: SidPath, body: SnapshotIn, request: Request, who: Who) -> dict[str, Any]:
     """Pack the sandbox's writable layer into a new image `name` (of the caller's project)."""
     st = state_of(request)
     owned_record(st, who, sandbox_id)
@@ -296,7 +312,7 @@ async def snapshot(sandbox_id: SidPath, body: SnapshotIn, request: Request, who:
 
 @router.post("/{sandbox_id}/fork", response_model=BatchOut, responses=errors(403, 404, 500, 501, 503),
              summary="Fork into n children")
-async def fork(sandbox_id: SidPath, body: ForkIn, request: Request, who: Who) -> dict[str, Any]:
+async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who: Who) -> dict[str, Any]:
     """`n` independent children starting from this sandbox's current files (per-item errors)."""
     st = state_of(request)
     rec = owned_record(st, who, sandbox_id)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import json
 import logging
 import math
 import sys
@@ -22,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal import __version__
-from shoal.errors import CapacityExceeded, ShoalError
+from shoal.errors import CapacityExceeded, InvalidRequest, SandboxError, ShoalError
 from shoal.node.node import Node
 from shoal.node.records import list_records
 from shoal.server import api_images, api_sandboxes, api_stream
@@ -49,9 +51,32 @@ WebSocket at `/v1/sandboxes/{id}/stream` (protocol in docs/api.md). Every error 
 """
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text from inside a sandbox (an agent's message, a path) may carry lone
+    surrogates from undecodable bytes; they become U+FFFD instead of a failed response."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8", "replace")
+
+
 def error_response(status: int, err: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
     """A JSON error response in the one shape the API uses."""
-    return JSONResponse({"error": err}, status_code=status, headers=headers)
+    return SafeJSONResponse({"error": err}, status_code=status, headers=headers)
+
+
+#: errno values of a failed exec that mean "the command you named cannot run", not "the sandbox failed"
+_USER_SPAWN_ERRNOS = {errno.ENOENT, errno.EACCES, errno.ENOTDIR, errno.ENOEXEC, errno.ELOOP, errno.ENAMETOOLONG,
+                      errno.E2BIG, errno.EISDIR}
+
+
+def _blame_request(exc: ShoalError) -> ShoalError:
+    """A command that does not exist or is not executable is bad input (422), not a server failure (500)."""
+    if isinstance(exc, SandboxError) and exc.details.get("agent_code") == "spawn_failed" \
+            and exc.details.get("errno") in _USER_SPAWN_ERRNOS:
+        return InvalidRequest(f"{exc.message}: check the command (argv[0] must be an executable in the sandbox)",
+                              **exc.details)
+    return exc
 
 
 def _install_handlers(app: FastAPI) -> None:
@@ -61,6 +86,7 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ShoalError)
     async def on_shoal_error(request: Request, exc: ShoalError) -> JSONResponse:
+        exc = _blame_request(exc)
         count(request, exc.code)
         headers = {}
         if isinstance(exc, CapacityExceeded):
@@ -110,6 +136,11 @@ def _install_handlers(app: FastAPI) -> None:
                                     f"{exc}; the server log has the traceback", "details": {}})
 
 
+def _operation_id(route: Any) -> str:
+    # stable, readable operationIds (links refer to them); SandboxFusion's root routes get a prefix
+    return route.name if route.path.startswith(("/v1/", "/healthz", "/metrics")) else f"fusion_{route.name}"
+
+
 def _leaf_routes(routes: Any) -> Any:
     for r in routes:
         sub = getattr(r, "original_router", None)  # FastAPI keeps included routers nested
@@ -120,12 +151,17 @@ def _leaf_routes(routes: Any) -> Any:
 
 
 def _allowed_methods(request: Request) -> list[str]:
-    """Every method some route serves on this path (Starlette lists only the first route's)."""
-    methods: set[str] = set()
+    """The methods of the most specific route template matching this path (Starlette lists only the
+    first route's, and a literal segment like /batch beats a {parameter})."""
+    by_template: dict[str, set[str]] = {}
     for route in _leaf_routes(request.app.router.routes):
         rx, m = getattr(route, "path_regex", None), getattr(route, "methods", None)
         if rx is not None and m and rx.match(request.url.path):
-            methods |= set(m)
+            by_template.setdefault(route.path, set()).update(m)
+    if not by_template:
+        return []
+    best = min(by_template, key=lambda t: (t.count("{"), -len(t)))
+    methods = by_template[best]
     if "GET" in methods:
         methods.add("HEAD")
     return sorted(methods)
@@ -189,7 +225,8 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
                       flush=True)
 
     app = FastAPI(title="shoal", version=__version__, description=DESCRIPTION, lifespan=lifespan,
-                  openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
+                  openapi_url="/openapi.json", docs_url="/docs", redoc_url=None,
+                  generate_unique_id_function=_operation_id, default_response_class=SafeJSONResponse)
     app.state.shoal = state
     _install_handlers(app)
     app.include_router(api_sandboxes.router)

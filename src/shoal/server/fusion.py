@@ -132,8 +132,8 @@ def bind_node(app: FastAPI, node: Node) -> None:
     app.state.fncall_node = node
 
 
-def current_manager(request: Request) -> FncallManager:
-    """Dependency: the fncall manager of the app's node."""
+async def current_manager(request: Request) -> FncallManager:
+    """Dependency: the fncall manager of the app's node (async: FastAPI would run a plain def in a thread)."""
     st = getattr(request.app.state, "shoal", None)
     node = getattr(st, "node", None) or getattr(request.app.state, "fncall_node", None)
     if node is None:

@@ -17,8 +17,12 @@ LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 LabelValue = Annotated[str, StringConstraints(max_length=1024)]
 #: a path inside the sandbox (absolute, or relative to the workdir); no NUL
 SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+#: an absolute path inside the sandbox
+AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
 #: a command: a non-empty string, or a non-empty argv
 Arg = Annotated[str, StringConstraints(max_length=1 << 20, pattern=r"^[^\x00]*$")]
+#: standard base64 (RFC 4648, padded)
+B64 = Annotated[str, StringConstraints(pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")]
 _NAME = r"[a-z0-9](?:[a-z0-9._/-]{0,126}[a-z0-9])?"
 _TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
 #: an image reference: name[:tag] or name@sha256:<hex>
@@ -69,17 +73,17 @@ class ExecIn(_In):
 
     cmd: Command = Field(..., description="a string runs under bash -c; a list is an argv")
     timeout: float | None = Field(300.0, gt=0, le=7 * 86400, description="seconds; null = no limit")
-    cwd: SandboxPath | None = None
+    cwd: AbsPath | None = None
     env: Env | None = Field(None, description=_ENV_DOC)
     user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
-    stdin: str | None = Field(None, description="base64 bytes fed to the command's stdin")
+    stdin: B64 | None = Field(None, max_length=1 << 26, description="base64 bytes fed to the command's stdin")
     max_output: int | None = Field(None, ge=0, le=1 << 30, description="bytes of stdout+stderr kept")
 
 
 class ShellOpenIn(_In):
     """Options of a new persistent shell."""
 
-    cwd: SandboxPath | None = None
+    cwd: AbsPath | None = None
     env: Env | None = None
     user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
 
@@ -113,22 +117,74 @@ def _languages() -> list[str]:
     return sorted({n for lang in LANGUAGES.values() for n in (lang.name, *lang.aliases)})
 
 
-class RunCodeIn(BaseModel):
-    """A snippet for the fncall backend (extra fields — stdin, timeout, memory_mb, files, fetch_files,
-    env, args, image, max_output, cpus — pass through to it)."""
+class RunCodeIn(_In):
+    """A snippet for the fncall backend (see `Client.run_code`); bytes travel as base64 (`*_b64`)."""
 
-    model_config = ConfigDict(extra="allow")
     code: str = Field(..., max_length=1 << 22)
     language: str = Field("python", max_length=32,
                           json_schema_extra={"enum": _languages()} if _languages() else None)
+    stdin: str | None = Field(None, max_length=1 << 24)
+    stdin_b64: B64 | None = Field(None, max_length=1 << 26, description="stdin bytes, base64")
+    timeout: float | None = Field(None, gt=0, le=600, description="seconds the run step may take")
+    compile_timeout: float | None = Field(None, gt=0, le=600)
+    memory_mb: int | None = Field(None, ge=16, le=65536)
+    cpus: float | None = Field(None, ge=0.01, le=256)
+    files: dict[SandboxPath, str] | None = None
+    files_b64: dict[SandboxPath, B64] | None = Field(None, description="files whose content is bytes, base64")
+    fetch_files: list[SandboxPath] | None = None
+    env: Env | None = None
+    args: list[Arg] | None = None
+    image: ImageRef | None = None
+    max_output: int | None = Field(None, ge=1, le=1 << 30)
+
+
+class RunStep(_In):
+    """Run a command (/bin/sh -c) on the image so far; its file changes become one layer."""
+
+    run: Annotated[str, StringConstraints(min_length=1, max_length=1 << 16, pattern=r"^[^\x00]*$")]
+    network: bool | None = None
+    timeout: float = Field(1800.0, gt=0, le=86400)
+
+
+class EnvStep(_In):
+    """Set environment variables of the image."""
+
+    env: Env
+
+
+class WorkdirStep(_In):
+    """Set the working directory of the image."""
+
+    workdir: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
+
+
+class UserStep(_In):
+    """Run later steps and the image's commands as this user."""
+
+    user: str = Field(..., min_length=1, max_length=256, pattern=r"^[^\x00:]+(:[^\x00:]+)?$")
+
+
+class RecipeIn(_In):
+    """Build steps on top of `from` (copying files from the client is not offered over the API: build
+    those images with `shoal image build` on the server, or write the files in a Run step)."""
+
+    from_: ImageRef = Field(..., alias="from", description="the image to build on")
+    steps: list[RunStep | EnvStep | WorkdirStep | UserStep] = Field(default_factory=list, max_length=1000)
+    network: bool = True
+    env: Env = Field(default_factory=dict)
+    workdir: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")] | None = None
+    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+(:[^\x00:]+)?$")
+    cpus: float = Field(2.0, ge=0.01, le=256)
+    memory_mb: int = Field(2048, ge=16, le=1 << 20)
+    disk_mb: int = Field(16384, ge=1, le=1 << 24)
+    no_cache: bool = False
 
 
 class BuildIn(_In):
     """An image build request."""
 
     name: NewImageName = Field(..., description="name[:tag] of the image to build")
-    recipe: dict[str, Any] | None = Field(None, description="build steps (see `shoal image build`); "
-                                                            "omit to build the built-in `base`")
+    recipe: RecipeIn | None = Field(None, description="build steps; omit to build the built-in `base` (admin)")
 
 
 # ---- responses --------------------------------------------------------------------------------
