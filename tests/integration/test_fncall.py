@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from shoal.backends.fncall import FncallConfig, FncallManager
 from shoal.backends.fncall_pool import POOL_LABEL
-from shoal.errors import InvalidRequest, SandboxNotFound
+from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, SandboxNotFound
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -189,6 +189,10 @@ async def test_bad_input_gets_clear_answers(fn) -> None:
         await fn.run_code("DISPLAY 'x'", "cobol")
     with pytest.raises(InvalidRequest, match="code is"):
         await fn.run_code("x" * (fn.config.max_code_bytes + 1))
+    with pytest.raises(ImageNotFound, match="no-such-image"):
+        await fn.run_code("print(1)", image="no-such-image")
+    with pytest.raises(BackendUnavailable, match=r"has no g\+\+"):
+        await fn.run_code("int main(){}", "cpp", image="base")
     big = await fn.run_code("import sys\nsys.stdout.write('y' * 5_000_000)\nprint('done', file=sys.stderr)",
                             max_output=1000)
     assert big.status == "success" and big.truncated and big.stdout == b"y" * 1000 and big.stderr == b"done\n"

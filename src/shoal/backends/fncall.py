@@ -232,7 +232,10 @@ class FncallManager:
         if image:
             if not isinstance(image, str):
                 raise InvalidRequest("image must be a string (name[:tag])")
-            return image
+            from shoal.images.refs import parse_ref
+
+            r = parse_ref(image)  # "base" and "base:latest" share one pool
+            return f"{r.name}@{r.digest}" if r.digest else f"{r.name}:{r.tag or 'latest'}"
         image = lang.image
         if image == FNCALL_IMAGE and not self.node.store.exists(image):
             if not self.config.auto_build_image:

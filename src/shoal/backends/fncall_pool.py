@@ -158,7 +158,8 @@ class Worker:
             if isinstance(e, TimeoutError):
                 raise Timeout(f"the fncall worker in image {spec.image} did not start within {timeout}s") from e
             if isinstance(e, WorkerLost):
-                raise SandboxError(f"the fncall worker could not start in image {spec.image}: {e.message}") from e
+                hint = " (the image needs python3 >= 3.9 for the fncall worker)" if "execvp" in e.message else ""
+                raise SandboxError(f"the fncall worker could not start in image {spec.image}: {e.message}{hint}") from e
             raise
 
     async def close(self) -> None:
@@ -353,6 +354,8 @@ class Pool:
         """Start workers for waiting calls (and to keep min_idle), within max_size."""
         if self._closing:
             return
+        if self._fail_streak and not self.waiters:
+            return  # starts are failing (missing image, full host): retry when a call asks, not in a loop
         need = len(self.waiters) - self.starting
         if time.monotonic() - self.last_used < self.keep_warm_s:
             need = max(need, self.min_idle - len(self.idle) - self.starting)
