@@ -346,16 +346,18 @@ class QemuVmBackend(Backend):
     async def pause(self, rec: SandboxRecord) -> None:
         """Give the guest's spare memory back to the host, then stop the vCPUs.
 
-        The guest first drops its clean page cache (one agent exec), so the balloon then takes free
-        pages only and inflates fast; whatever the guest cannot free stays (deflate-on-oom)."""
+        The guest first drops its clean page cache and compacts its memory (one agent exec), so the balloon
+        then takes free pages only; whatever the guest cannot free stays (deflate-on-oom)."""
         cfg = MachineConfig.from_dict(rec.extra["vm"])
         target = None
         if cfg.balloon:
             c = self.node._clients.get(rec.id)
             if c is not None and not c.closed:
                 with contextlib.suppress(ShoalError, KeyError, ValueError, IndexError):
-                    r = await c.exec(["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches; cat /proc/meminfo"],
-                                     timeout=10)
+                    # drop clean caches and compact: freed memory becomes whole 2 MiB blocks, which free
+                    # page reporting and the balloon hand back to the host
+                    r = await c.exec(["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches; "
+                                      "echo 1 > /proc/sys/vm/compact_memory; cat /proc/meminfo"], timeout=10)
                     info = {ln.split(":")[0]: int(ln.split()[1]) for ln in r.stdout.decode().splitlines()}
                     used_mb = (info["MemTotal"] - info["MemAvailable"]) >> 10
                     target = used_mb + 32
@@ -365,7 +367,7 @@ class QemuVmBackend(Backend):
         async with qmp(rec.path) as q:
             if target is not None and target < cfg.memory_mb:
                 with contextlib.suppress(ShoalError):
-                    await self._balloon_to(q, target, timeout=_env_float("SHOAL_VM_BALLOON_WAIT_S", 5.0))
+                    await self._balloon_to(q, target, timeout=_env_float("SHOAL_VM_BALLOON_WAIT_S", 2.0))
             await q.execute("stop")
 
     @staticmethod
@@ -373,14 +375,18 @@ class QemuVmBackend(Backend):
         """Ask for `target_mb` of guest RAM and wait (bounded) until the guest gets there or stops progressing."""
         await q.execute("balloon", {"value": target_mb << 20})
         deadline = time.monotonic() + timeout
-        last, still = -1, 0
+        first = last = -1
+        still = 0
         actual = 0
         while time.monotonic() < deadline:
             actual = int((await q.execute("query-balloon"))["actual"]) >> 20
+            if first < 0:
+                first = actual
             if actual <= target_mb + 4:
                 break
-            still = still + 1 if actual == last else 0
-            if still >= 3:
+            # a stall counts once the guest has started giving memory (it takes a moment to start)
+            still = still + 1 if (actual == last and actual < first) else 0
+            if still >= 8:
                 break  # the guest cannot give more (its processes use it): good enough
             last = actual
             await asyncio.sleep(0.1)
