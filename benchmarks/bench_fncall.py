@@ -92,6 +92,10 @@ def _sandboxes_cpu_s(home: Path, owner_pid: int | None = None, ids: set[str] | N
     return total
 
 
+def _seq(lat: list[float]) -> dict[str, Any]:
+    return {"sequential_p50_ms": round(_pct(lat, 0.5) * 1000, 2), "sequential_p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
+
+
 def _pct(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))] if ys else float("nan")
@@ -134,7 +138,8 @@ class _Phase:
 
 
 # ---- shoal in-process ----------------------------------------------------------------------------------------
-async def bench_shoal_sdk(n: int, concurrency: int, snippet: str, expect: str, warmup: int) -> dict[str, Any]:
+async def bench_shoal_sdk(n: int, concurrency: int, snippet: str, expect: str, warmup: int,
+                          seq_n: int = 200) -> dict[str, Any]:
     """`run_code` calls on an embedded node, `concurrency` at a time."""
     import shoal
     from shoal.backends.fncall import get_pool_manager
@@ -156,6 +161,11 @@ async def bench_shoal_sdk(n: int, concurrency: int, snippet: str, expect: str, w
                 lat.append(time.monotonic() - t)
                 ok += r.ok and r.stdout.decode().strip() == expect
 
+        seq: list[float] = []
+        for _ in range(seq_n):  # one call at a time: latency without queueing
+            t = time.monotonic()
+            await client.run_code(snippet)
+            seq.append(time.monotonic() - t)
         ids = set(mgr.sandbox_ids())
         home = node.paths.home
         own0 = _self_cpu_s() + _sandboxes_cpu_s(home, ids=ids)
@@ -164,14 +174,14 @@ async def bench_shoal_sdk(n: int, concurrency: int, snippet: str, expect: str, w
         own = _self_cpu_s() + _sandboxes_cpu_s(home, ids=ids) - own0
         pool = mgr.stats()["pools"]
     return _summary("shoal SDK (in-process)", lat, ph.wall, ok, n, ph.cpu, own, 0.0,
-                    {"pool_size": sum(p["idle"] + p["busy"] for p in pool), "isolation":
+                    {**_seq(seq), "pool_size": sum(p["idle"] + p["busy"] for p in pool), "isolation":
                      "pooled container; fresh process forked from a warm interpreter, uid nobody, own session; "
                      "tmp, working dir, IPC and processes cleaned after every call"})
 
 
 # ---- HTTP (shoal fncall serve, SandboxFusion) ------------------------------------------------------------------
 async def bench_http(name: str, url: str, n: int, concurrency: int, snippet: str, expect: str, warmup: int,
-                     extra: dict[str, Any] | None = None, own_cpu: Any = None) -> dict[str, Any]:
+                     extra: dict[str, Any] | None = None, own_cpu: Any = None, seq_n: int = 200) -> dict[str, Any]:
     """SandboxFusion `/run_code` requests, `concurrency` in flight, sent with aiohttp (what SandboxFusion's own
     async client uses; lighter than httpx, and the load generator shares the machine's cores)."""
     import aiohttp
@@ -204,11 +214,17 @@ async def bench_http(name: str, url: str, n: int, concurrency: int, snippet: str
                         errors[key] = errors.get(key, 0) + 1
 
         await asyncio.gather(*(one(False) for _ in range(warmup)))
+        seq: list[float] = []
+        for _ in range(seq_n):  # one call at a time: latency without queueing
+            t = time.monotonic()
+            async with http.post("/run_code", json=body) as resp:
+                await resp.read()
+            seq.append(time.monotonic() - t)
         own0, client0 = (own_cpu() if own_cpu else 0.0), _self_cpu_s()
         with _Phase() as ph:
             await asyncio.gather(*(one() for _ in range(n)))
         own, client = (own_cpu() if own_cpu else 0.0) - own0, _self_cpu_s() - client0
-    return _summary(name, lat, ph.wall, ok, n, ph.cpu, own, client, {**(extra or {}), "errors": errors})
+    return _summary(name, lat, ph.wall, ok, n, ph.cpu, own, client, {**(extra or {}), **_seq(seq), "errors": errors})
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float, log: Path) -> None:
@@ -349,7 +365,7 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
         return None
     rows = res["results"]
     names = [r["system"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     colors = ["#2b7bba" if n.startswith("shoal") else "#999999" for n in names]
     a.bar(names, [r["calls_per_s"] for r in rows], color=colors)
     a.set_ylabel("calls / s (higher is better)")
@@ -364,7 +380,14 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
     b.set_ylabel("latency, ms (lower is better)")
     b.set_yscale("log")
     b.legend()
-    for ax in (a, b):
+    b.set_title("latency under load (p50, p99)")
+    cpu = [r.get("own_cpu_ms_per_call") or 0 for r in rows]
+    c.bar(names, cpu, color=colors)
+    c.set_ylabel("CPU ms per call, the system's own (lower is better)")
+    c.set_title("CPU cost per call (load-independent)")
+    for i, v in enumerate(cpu):
+        c.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    for ax in (a, b, c):
         ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -394,10 +417,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_fncall.json").write_text(json.dumps(res, indent=1) + "\n")
     png = plot(res, args.out / "bench_fncall.png")
-    print(f"{'system':24s} {'calls/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'own cpu ms':>10s} "
-          f"{'cpu-bound/s':>11s} {'client ms':>9s} {'ok':>6s}")
+    print(f"{'system':24s} {'calls/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'seq p50':>8s} {'seq p99':>8s} "
+          f"{'own cpu ms':>10s} {'cpu-bound/s':>11s} {'client ms':>9s} {'ok':>6s}")
     for r in res["results"]:
         print(f"{r['system']:24s} {r['calls_per_s']:8.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
+              f"{r['sequential_p50_ms']:8.2f} {r['sequential_p99_ms']:8.2f} "
               f"{r['own_cpu_ms_per_call']:10.3f} {r['cpu_bound_calls_per_s'] or 0:11.1f} "
               f"{r['client_cpu_ms_per_call']:9.3f} {r['ok']:>6d}")
     for k, v in (res.get("ratios") or {}).items():

@@ -384,7 +384,11 @@ async def test_a_worker_killed_while_idle_is_replaced_before_the_next_call(solo)
     assert len(workers) == 2, pids  # dispatcher and zygote
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
-    await asyncio.sleep(0.5)
+    (pool,) = solo.pools.values()
+    for _ in range(100):  # the agent reports the exit; the pool marks the idle worker dead
+        if all(w.dead for w in pool.idle):
+            break
+        await asyncio.sleep(0.1)
     r = await solo.run_code("print('ok')")
     assert r.status == "success" and r.sandbox_id != warm.sandbox_id
 
