@@ -209,3 +209,50 @@ async def _capacity(srv: ServerProcess) -> None:
         async with shoal.Client(srv.url, timeout=2) as short:
             items = await short.create_many("base", 2, **SMALL)
         assert sum(isinstance(i, shoal.CapacityExceeded) for i in items) == 2
+
+
+async def test_images_built_and_imported_over_the_api_belong_to_the_project(two_projects: tuple,
+                                                                              api_server: ServerProcess,
+                                                                              tmp_path: Path) -> None:
+    from shoal.images.archive import layer_tar, write_docker_archive
+
+    a, b, _, tag = two_projects
+    ha = {"Authorization": f"Bearer {a.transport.token}"}
+    url = api_server.url
+    try:
+        recipe = {"from": "base", "network": False,
+                  "steps": [{"run": f"echo built-{tag} > /opt/marker"}, {"env": {"TOOL": "1"}}, {"workdir": "/opt"}]}
+        r = httpx.post(f"{url}/v1/images/build", headers=ha, json={"name": f"tool-{tag}:1", "recipe": recipe},
+                       timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["name"] == f"tool-{tag}" and r.json()["config"]["workdir"] == "/opt"
+        sb = await a.create(f"tool-{tag}:1", **SMALL)
+        r2 = await sb.exec("cat marker; echo $TOOL")
+        assert r2.stdout == f"built-{tag}\n1\n".encode()
+        assert f"tool-{tag}" not in {i["name"] for i in await b.images()}
+        # a failing step: the build error names the step, nothing is tagged
+        bad = {"from": "base", "network": False, "steps": [{"run": "echo oops >&2; exit 3"}]}
+        r = httpx.post(f"{url}/v1/images/build", headers=ha, json={"name": f"bad-{tag}:1", "recipe": bad}, timeout=600)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "image_build_error"
+        assert f"bad-{tag}" not in {i["name"] for i in await a.images()}
+
+        layer = layer_tar([("dir", "etc", 0o755), ("file", "etc/hello", b"imported\n", 0o644)])
+        archive = write_docker_archive(tmp_path / "img.tar", [layer])
+        r = httpx.post(f"{url}/v1/images/import", headers=ha, params={"name": f"imp-{tag}:1"},
+                       content=archive.read_bytes(), timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["image"]["name"] == f"imp-{tag}" and r.json()["format"]
+        assert f"imp-{tag}" in {i["name"] for i in await a.images()}
+        assert f"imp-{tag}" not in {i["name"] for i in await b.images()}
+        r = httpx.post(f"{url}/v1/images/import", headers=ha, params={"name": f"junk-{tag}:1"},
+                       content=b"not a tarball", timeout=60)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    finally:
+        import os
+
+        from shoal.images.store import ImageStore
+
+        store = ImageStore(os.environ["SHOAL_STORE"])
+        for img in store.list_images():
+            if img.name.startswith(f"projects/pa-{tag}/"):
+                store.remove_image(f"{img.name}:{img.tag}")

@@ -132,7 +132,8 @@ class BodyGuard:
             if left <= 0:
                 raise BodyTimeout(f"over {total_s:g}s in total")
             try:
-                msg = await asyncio.wait_for(receive(), min(self.s.body_idle_timeout_s, left))
+                async with asyncio.timeout(min(self.s.body_idle_timeout_s, left)):  # no extra task, unlike wait_for
+                    msg = await receive()
             except TimeoutError:
                 raise BodyTimeout(f"nothing for {self.s.body_idle_timeout_s:g}s") from None
             if msg["type"] == "http.request":
@@ -147,7 +148,8 @@ class BodyGuard:
 
         async def guarded_send(msg: dict[str, Any]) -> None:
             try:
-                await asyncio.wait_for(send(msg), self.s.send_timeout_s)
+                async with asyncio.timeout(self.s.send_timeout_s):
+                    await send(msg)
             except TimeoutError:
                 raise ConnectionAbortedError("client did not read the response in time") from None
 
