@@ -186,3 +186,20 @@ def test_kvm_status_forced_tcg(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_VM_ACCEL", "tcg")
     st = kvm_status()
     assert not st.usable and "SHOAL_VM_ACCEL=tcg" in st.detail
+
+
+def test_firecracker_is_chosen_only_when_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.backends import firecracker as fc
+
+    monkeypatch.delenv("SHOAL_FIRECRACKER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ok, why = fc.firecracker_usable()
+    assert not ok and "no firecracker binary" in why
+    fake = tmp_path / "firecracker"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SHOAL_VM_ACCEL", "tcg")  # KVM not usable
+    ok, why = fc.firecracker_usable()
+    assert not ok and "needs KVM" in why
+    monkeypatch.setenv("SHOAL_VMM", "qemu")
+    assert fc.firecracker_usable() == (False, "SHOAL_VMM=qemu: microVMs use QEMU")
