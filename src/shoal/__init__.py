@@ -10,6 +10,7 @@ from shoal.errors import (
     BackendUnavailable,
     CapacityExceeded,
     FileNotFound,
+    Forbidden,
     ImageBuildError,
     ImageNotFound,
     InvalidRequest,
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
-    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "Forbidden", "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotImplementedYet", "QuotaExceeded", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxNotFound", "SandboxSpec", "Shell",
     "ShellNotFound", "ShoalError", "Stream", "StreamEvent", "SyncClient", "SyncSandbox", "Timeout",
     "Unauthorized", "__version__",
