@@ -22,6 +22,8 @@ from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.config import Paths
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.host import cgroups, syscalls
+from shoal.host.mntns import MountNamespace
+from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
@@ -61,6 +63,7 @@ class ContainerBackend(Backend):
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
+        self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -76,6 +79,11 @@ class ContainerBackend(Backend):
     def rootfs(self, rec: SandboxRecord) -> Path:
         """The merged overlay (the sandbox's / as the host sees it)."""
         return rec.path / "rootfs"
+
+    async def _mntns_helper(self) -> str | None:
+        if self._helper is False:
+            self._helper = await asyncio.to_thread(mntns_helper_binary, self.paths.run)
+        return self._helper
 
     def _swap_mb(self, memory_mb: int) -> int | None:
         # the swap policy reads /proc/swaps; it changes when zram is set up, not between two creates
@@ -105,6 +113,7 @@ class ContainerBackend(Backend):
         if len(str(sock_path)) > _SUN_PATH_MAX:
             raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({sock_path}); use a shorter one")
         listener: socket.socket | None = None
+        mntns: MountNamespace | None = None
         try:
             rootfs = d / "rootfs"
             rootfs.mkdir()
@@ -114,8 +123,13 @@ class ContainerBackend(Backend):
             lowers = self.layer_mounts.acquire(image.layers, rec.id)
             # overlay wants the topmost lower first
             lowerdir = ":".join(str(p) for p in reversed(lowers))
-            syscalls.mount("overlay", str(rootfs), "overlay", 0,
-                           f"lowerdir={lowerdir},upperdir={upper},workdir={work},{_OVERLAY_OPTS}")
+            opts = f"lowerdir={lowerdir},upperdir={upper},workdir={work},{_OVERLAY_OPTS}"
+            helper = await self._mntns_helper() if rt.name in ("crun", "runc") else None
+            if helper:
+                # the overlay lives in the sandbox's own mount namespace (see shoal.host.mntns)
+                mntns = await MountNamespace.start(helper, str(rootfs), opts)
+            else:
+                syscalls.mount("overlay", str(rootfs), "overlay", 0, opts)
             netns = None
             resolv = None
             if spec.network:
@@ -136,7 +150,7 @@ class ContainerBackend(Backend):
                 rootfs=str(rootfs), guest_dir=str(self.guest_dir), hostname=spec.hostname or "sandbox",
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv,
-                swap_mb=self._swap_mb(spec.memory_mb),
+                swap_mb=self._swap_mb(spec.memory_mb), mntns_path=mntns.path if mntns else None,
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()
@@ -154,10 +168,14 @@ class ContainerBackend(Backend):
         except BaseException:
             if listener is not None:
                 listener.close()
+            if mntns is not None:
+                await mntns.release()
             await self._drop_pending(rec.id)
             await self.destroy(rec)
             raise
         listener.close()
+        if mntns is not None:
+            await mntns.release()
 
     async def _connect(self, rec: SandboxRecord, timeout: float) -> AgentClient:
         from shoal.agentproto.client import AgentClient

@@ -73,7 +73,7 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  cgroups_path: str, cpus: float, memory_mb: int, pids: int, shm_mb: int = 64,
                  netns_path: str | None = None, resolv_conf: str | None = None,
                  agent_args: list[str] | None = None, seccomp: bool = True,
-                 swap_mb: int | None = None) -> dict[str, Any]:
+                 swap_mb: int | None = None, mntns_path: str | None = None) -> dict[str, Any]:
     """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
@@ -94,6 +94,9 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         if rule.get("minor") == -1:
             del rule["minor"]
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "cgroup")]
+    if mntns_path:
+        # join the namespace holding the sandbox's overlay (shoal.host.mntns) instead of a copy of the host's
+        namespaces[3] = {"type": "mount", "path": mntns_path}
     namespaces.append({"type": "network", "path": netns_path} if netns_path else {"type": "network"})
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},

@@ -106,6 +106,7 @@ class Node:
         """Install the guest agent, re-adopt or clean up sandboxes left by earlier processes, start the reaper."""
         if self._started:
             return self
+        _raise_nofile()
         self._install_guest_agent()
         if self.config.zram_swap:
             from shoal.node.reclaim import setup_zram_swap
@@ -642,6 +643,16 @@ class Node:
             await asyncio.sleep(self.config.reap_interval_s)
             with contextlib.suppress(Exception):
                 await self.reap_once()
+
+
+def _raise_nofile() -> None:
+    # one agent connection per live sandbox: 5,000 sandboxes need more than the usual soft limit of 1,024
+    import resource
+
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _spec_dict(spec: SandboxSpec) -> dict[str, Any]:
