@@ -64,6 +64,7 @@ class ContainerBackend(Backend):
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
         self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
+        self._empty: str | None = None
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -79,6 +80,14 @@ class ContainerBackend(Backend):
     def rootfs(self, rec: SandboxRecord) -> Path:
         """The merged overlay (the sandbox's / as the host sees it)."""
         return rec.path / "rootfs"
+
+    def _empty_dir(self) -> str:
+        # an empty read-only directory: bound over masked directories (see oci.build_config)
+        d = self.paths.home / "empty"
+        if self._empty is None or not os.path.isdir(self._empty):
+            d.mkdir(mode=0o555, exist_ok=True)
+            self._empty = str(d)
+        return self._empty
 
     async def _mntns_helper(self) -> str | None:
         if self._helper is False:
@@ -151,6 +160,7 @@ class ContainerBackend(Backend):
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv,
                 swap_mb=self._swap_mb(spec.memory_mb), mntns_path=mntns.path if mntns else None,
+                empty_dir=self._empty_dir(),
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from typing import Any
 
 from shoal.backends.seccomp import default_profile
@@ -73,7 +74,8 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  cgroups_path: str, cpus: float, memory_mb: int, pids: int, shm_mb: int = 64,
                  netns_path: str | None = None, resolv_conf: str | None = None,
                  agent_args: list[str] | None = None, seccomp: bool = True,
-                 swap_mb: int | None = None, mntns_path: str | None = None) -> dict[str, Any]:
+                 swap_mb: int | None = None, mntns_path: str | None = None,
+                 empty_dir: str | None = None) -> dict[str, Any]:
     """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
@@ -114,6 +116,16 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     if resolv_conf:
         mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf,
                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
+    masked = MASKED_PATHS
+    if empty_dir:
+        # Runtimes mask a directory with a fresh read-only tmpfs: one more superblock per sandbox, and the
+        # kernel gives every memory cgroup per-superblock shrinker state for the most superblocks the host
+        # ever had at once (~1 KiB per 64 of them, per cgroup): O(n^2) memory for n sandboxes. A read-only
+        # bind of an empty directory hides it the same way without a superblock.
+        dirs = [p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p)]
+        mounts += [{"destination": p, "type": "bind", "source": empty_dir,
+                    "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]} for p in dirs]
+        masked = [p for p in MASKED_PATHS if p not in dirs]
     process: dict[str, Any] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},
@@ -132,7 +144,7 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         "cgroupsPath": cgroups_path,
         "resources": resources,
         "namespaces": namespaces,
-        "maskedPaths": MASKED_PATHS,
+        "maskedPaths": masked,
         "readonlyPaths": READONLY_PATHS,
     }
     if seccomp:
