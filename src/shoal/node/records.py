@@ -149,17 +149,43 @@ class SandboxRecord:
     @classmethod
     def load(cls, sandbox_dir: Path) -> SandboxRecord:
         """Read a record; SandboxNotFound if absent or unreadable."""
+        path = os.path.join(sandbox_dir, "record.json")
         try:
-            data = read_json(sandbox_dir / "record.json")
+            st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            hit = _parsed.get(path)
+            if hit is not None and hit[0] == key:
+                data = hit[1]
+            else:
+                data = read_json(Path(path))
+                if len(_parsed) > 200_000:
+                    _parsed.clear()
+                _parsed[path] = (key, data)
         except (FileNotFoundError, NotADirectoryError):
+            _parsed.pop(path, None)
             raise SandboxNotFound(f"no sandbox {sandbox_dir.name!r}") from None
         except ValueError as e:
             raise SandboxNotFound(f"sandbox {sandbox_dir.name!r} has a corrupt record: {e}") from None
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: _copy(v) if type(v) in (dict, list) else v for k, v in data.items() if k in _FIELD_SET})
 
 
 _FIELDS = tuple(f.name for f in fields(SandboxRecord))
+_FIELD_SET = frozenset(_FIELDS)
+# Parsed records by path, keyed by (inode, mtime, size): a save replaces the file (new inode), so an
+# unchanged key means unchanged content. The reaper reads every record every few seconds; with thousands
+# of sandboxes a stat instead of open+read+parse each time matters.
+_parsed: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+
+def _copy(v: Any) -> Any:
+    # callers may change a loaded record: never hand out the cached containers themselves (JSON data:
+    # only dicts and lists are mutable)
+    t = type(v)
+    if t is dict:
+        return {k: _copy(x) if type(x) in (dict, list) else x for k, x in v.items()}
+    if t is list:
+        return [_copy(x) if type(x) in (dict, list) else x for x in v]
+    return v
 
 
 def list_records(sandboxes_dir: Path) -> list[SandboxRecord]:
