@@ -4,6 +4,7 @@ protocol, metrics, and the no-token loopback rule."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 import shoal
 from shoal.sdk.http import HttpTransport
@@ -54,7 +56,7 @@ def test_sandboxes_survive_server_kill_and_restart(shoal_home: Path) -> None:
 
         asyncio.run(after())
         srv.stop()  # graceful (SIGTERM): the shutdown runs and keeps the sandbox
-        assert "shoal API stopped; 1 sandbox(es) keep running" in log.read_text()
+        assert "shoal API stopped;" in log.read_text() and (shoal_home / "sandboxes" / sid / "record.json").exists()
         srv = ServerProcess(port=port, token=tok, log_path=log).start()
         asyncio.run(after())
 
@@ -167,7 +169,8 @@ async def test_stream_protocol_errors(api_server: ServerProcess) -> None:
         ]
         for token, first, code, err in cases:
             ws = await _ws(f"{base}/{sb.id}/stream", token)
-            await ws.send(first)
+            with contextlib.suppress(ConnectionClosed):  # a bad token is refused before the first message
+                await ws.send(first)
             msg = json.loads(await ws.recv())
             assert msg["type"] == "error" and msg["error"]["code"] == err, msg
             await ws.wait_closed()

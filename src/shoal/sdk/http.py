@@ -16,6 +16,7 @@ import json
 import random
 import time
 import urllib.parse
+import weakref
 from typing import Any
 
 import httpx
@@ -198,6 +199,8 @@ class HttpTransport(Transport):
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._http: httpx.AsyncClient | None = None
+        #: streams still open: closed with the transport (their commands are then killed by the server)
+        self._streams: weakref.WeakSet[HttpStream] = weakref.WeakSet()
 
     # ---- plumbing -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -209,6 +212,8 @@ class HttpTransport(Transport):
                                     max_keepalive_connections=min(self._max_connections, 256)))
 
     async def aclose(self) -> None:
+        for st in list(self._streams):
+            await st.aclose()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -354,15 +359,18 @@ class HttpTransport(Transport):
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                      tty: bool = False, stdin: bool = False) -> HttpStream:
         ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
-        return await HttpStream(ws)._open({"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
-                                           "tty": tty, "stdin": stdin})
+        st = HttpStream(ws)
+        self._streams.add(st)
+        return await st._open({"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
+                               "tty": tty, "stdin": stdin})
 
     async def shell_stream(self, sandbox_id: str, shell_id: str, cmd: str, *, timeout: float | None = 300.0,
                            max_output: int | None = None) -> HttpStream:
         """Run a command in a persistent shell and stream its output (HTTP transport extra)."""
         ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
-        return await HttpStream(ws)._open({"shell": shell_id, "cmd": cmd, "timeout": timeout,
-                                           "max_output": max_output})
+        st = HttpStream(ws)
+        self._streams.add(st)
+        return await st._open({"shell": shell_id, "cmd": cmd, "timeout": timeout, "max_output": max_output})
 
     # ---- files ----------------------------------------------------------------------------------
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
