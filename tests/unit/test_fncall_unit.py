@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import sys
 
 import pytest
 
@@ -139,18 +140,13 @@ def test_worker_reads_what_the_host_encodes() -> None:
 
 def test_worker_refuses_to_run_outside_a_shoal_sandbox() -> None:
     import subprocess
-    import sys
+
+    from shoal.backends.fncall_pool import bootstrap_argv
 
     # on a host (or in CI), PID 1 is not shoal-agent: the worker must exit at once and kill nothing
-    p = subprocess.run([sys.executable, "-I", "-c", fncall_worker.BOOTSTRAP, str(len(_src()))],
-                       input=_src(), capture_output=True, timeout=30)
+    argv, boot = bootstrap_argv({"preload": ["json"]})
+    p = subprocess.run([sys.executable, *argv[1:]], input=boot, capture_output=True, timeout=30)
     assert p.returncode == 2 and b"refusing" in p.stderr
-
-
-def _src() -> bytes:
-    from shoal.backends.fncall_pool import worker_source
-
-    return worker_source()
 
 
 # ---- results -------------------------------------------------------------------------------------------------

@@ -34,24 +34,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("shoal.fncall")
 
 _U32 = struct.Struct(">I")
-_WORKER_SOURCE: bytes | None = None
+_SOURCES: tuple[bytes, bytes] | None = None
 #: label on every pooled sandbox (value: the pool key), so they can be told apart and cleaned up
 POOL_LABEL = "shoal.fncall.pool"
 
 
-def worker_source() -> bytes:
-    """The in-container worker's source, sent to each new container."""
-    global _WORKER_SOURCE
-    if _WORKER_SOURCE is None:
-        _WORKER_SOURCE = (Path(__file__).with_name("fncall_worker.py")).read_bytes()
-    return _WORKER_SOURCE
+def worker_sources() -> tuple[bytes, bytes]:
+    """(zygote source, dispatcher source) of the in-container worker, sent to each new container."""
+    global _SOURCES
+    if _SOURCES is None:
+        here = Path(__file__).parent
+        _SOURCES = ((here / "fncall_zygote.py").read_bytes(), (here / "fncall_worker.py").read_bytes())
+    return _SOURCES
 
 
-def bootstrap() -> str:
-    """The `python3 -c` program that reads the worker's source from stdin and runs it."""
-    from shoal.backends.fncall_worker import BOOTSTRAP
+def bootstrap_argv(config: dict[str, Any]) -> tuple[list[str], bytes]:
+    """The worker's argv and the stdin that must follow: zygote source, configuration, dispatcher source."""
+    import marshal
 
-    return BOOTSTRAP
+    from shoal.backends.fncall_zygote import BOOTSTRAP
+
+    zsrc, wsrc = worker_sources()
+    cfg = marshal.dumps(config, 4)  # plain dicts, lists, strings and ints: the same bytes in any Python 3
+    return (["python3", "-I", "-c", BOOTSTRAP, str(len(zsrc)), str(len(cfg)), str(len(wsrc))],
+            zsrc + cfg + wsrc)
 
 
 def encode_message(hdr: dict[str, Any], blobs: list[bytes] | tuple[bytes, ...] = ()) -> bytes:
@@ -139,14 +145,13 @@ class Worker:
         info = await node.create(spec)
         try:
             client = await node.client(info.id)
-            src = worker_source()
+            argv, boot = bootstrap_argv(config)
             # LD_BIND_NOW: resolve every symbol once in the worker, not again (copying pages) in each forked call
-            stream = await client.exec_stream(["python3", "-I", "-c", bootstrap(), str(len(src))], cwd="/",
-                                              user="root", stdin=True, max_output=0, timeout=None,
+            stream = await client.exec_stream(argv, cwd="/", user="root", stdin=True, max_output=0, timeout=None,
                                               env={"LD_BIND_NOW": "1"})
             w = cls(node, info.id, client, stream)
             w._reader = asyncio.get_running_loop().create_task(w._read_loop(), name=f"fncall-{info.id}")
-            await stream.write_stdin(src + encode_message(dict(config)))
+            await stream.write_stdin(boot)
             hdr, _ = await asyncio.wait_for(w._next(), timeout)
             if hdr.get("error"):
                 raise SandboxError(f"the fncall worker could not start in image {spec.image}: {hdr['error']}")

@@ -1,19 +1,19 @@
 """The in-container half of the fncall backend: a dispatcher and a zygote (stdlib only, Python >= 3.9).
 
-The host starts it inside a pooled container, through the shoal agent, with the tiny `BOOTSTRAP`
-(``python3 -I -c BOOTSTRAP <size>``) that reads this file's source from stdin and runs it; the first
-message on stdin is then the worker's configuration. The process's stdin/stdout are the channel to the
-host (agent STDIN/STDOUT frames), its stderr is a diagnostic log. Two processes live in the container
-besides the agent:
+The host starts it inside a pooled container, through the shoal agent, with the tiny bootstrap of
+`fncall_zygote.py` (``python3 -I -c BOOTSTRAP ...``), which reads the zygote's source, the
+configuration and this file's source from stdin, forks the zygote, then runs this file's `main`. The
+process's stdin/stdout are then the channel to the host (agent STDIN/STDOUT frames), its stderr is a
+diagnostic log. Two processes live in the container besides the agent:
 
 * the **dispatcher** (this process, root) reads requests, writes the call's files, starts each step
   through the zygote, enforces the deadline, collects output and resource use, then cleans up: it
   kills every process other than PID 1 / itself / the zygote, removes the working dir, empties every
   world-writable directory of the image (/tmp, /var/tmp, /dev/shm, ...) and SysV IPC objects.
-* the **zygote** (forked from the dispatcher *before* any call data existed, root) imports the
-  configured modules once and forks one child per step. It never sees call data — specs, code and
-  stdin reach the child through file descriptors it passes on unread — so no call can find an earlier
-  call's bytes in the memory it inherits.
+* the **zygote** (`fncall_zygote.py`, root) is forked before this file is even compiled and before
+  any call data exists, imports the configured modules once and forks one child per step. It never
+  sees call data — specs, code and stdin reach the child through file descriptors it passes on
+  unread — so no call can find an earlier call's bytes in the memory it inherits.
 
 Each child: own session (setsid), OOM-killer's first choice, rlimits, unprivileged uid/gid, fresh
 working dir, fresh environment; a python step runs the code in the forked, pre-warmed interpreter,
@@ -39,23 +39,10 @@ import sys
 import time
 
 _U32 = struct.Struct(">I")
-# the zygote's one answer per spawn: b"X", pid, wait status, utime_us, stime_us, maxrss_kb, minflt
-# (or b"E", 0, errno, 0, 0, 0, 0 when fork failed)
+# the zygote's one answer per spawn (see fncall_zygote.py, which has the same struct)
 _ZEXIT = struct.Struct("<ciiqqqq")
 _SKIP_WALK = ("/proc", "/sys", "/dev", "/.shoal")
 _READ = 1 << 16
-_FSIZE_MB = [256]  # set from the configuration before the zygote starts
-
-#: what the host runs (``python3 -I -c BOOTSTRAP <len(source)>``): read the worker's source from stdin, run it
-BOOTSTRAP = (
-    "import os,sys\n"
-    "n=int(sys.argv[1]);b=bytearray()\n"
-    "while len(b)<n:\n"
-    " c=os.read(0,n-len(b))\n"
-    " if not c:raise SystemExit(3)\n"
-    " b+=c\n"
-    "exec(compile(bytes(b),'shoal-fncall-worker','exec'),{'__name__':'__main__'})\n"
-)
 
 
 def _log(msg):
@@ -114,262 +101,23 @@ def write_message(fd, hdr, blobs=()):
 
 
 # ---------------------------------------------------------------------------------------------- zygote
-def _vm_size_kb():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def zygote_main(sock, preload, base_env, main_path, cwd):
-    """Import `preload`, report, then fork one child per spawn request and report its exit.
-
-    Everything that is the same for every call is done here once, so that a child runs as little
-    Python as possible — each object it touches is a page the kernel must copy: the environment is
-    the calls' base environment; stdio objects for fds 0-2, `__main__`, `sys.argv` and `sys.path`
-    are what a call's script sees; the file-size and core-dump limits are set.
-    """
-    import atexit
-    import io
-    import types
-
-    devnull = os.open("/dev/null", os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.close(devnull)
-    # numeric libraries start thread pools at import; a forked child would inherit locks, not threads
-    for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
-        os.environ.setdefault(k, "1")
-    loaded, failed = [], {}
-    for name in preload:
-        try:
-            __import__(name)
-            loaded.append(name)
-        except BaseException as e:  # a broken module must not kill the worker
-            failed[name] = f"{type(e).__name__}: {e}"
-    os.environ.clear()
-    os.environ.update(base_env)
-    # what a call's script finds, as `python /sandbox/main.py` would give it
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
-                                                 encoding="utf-8", errors="strict")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-                                                   encoding="utf-8", errors="strict")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-                                                   encoding="utf-8", errors="backslashreplace", line_buffering=True)
-    main = types.ModuleType("__main__")
-    main.__file__ = main_path
-    main.__cached__ = None
-    main.__builtins__ = __builtins__ if isinstance(__builtins__, dict) else __builtins__.__dict__
-    sys.modules["__main__"] = main
-    sys.argv = [main_path]
-    try:
-        import array  # noqa: F401  (socket.recv_fds imports it on first use: not after sys.path changes)
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (ImportError, OSError, AttributeError):
-        prctl = None
-    base_vm_kb = _vm_size_kb()
-    for res, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, int(_FSIZE_MB[0]) << 20)):
-        hard = resource.getrlimit(res)[1]
-        if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(res, (value, value))  # inherited by every call, never raised again
-    try:
-        # inherited by every child: the OOM killer takes a call's process (or, failing that, the zygote),
-        # never the dispatcher. Raising needs no privilege; doing it once here saves it per call.
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-        os.write(fd, b"1000")
-        os.close(fd)
-    except OSError:
-        pass
-    run_exitfuncs = atexit._run_exitfuncs
-    # last, after every import: an import would cache "no such directory" for the (absent) working dir
-    sys.path.insert(0, cwd)
-    sys.path_importer_cache.pop(cwd, None)
-    import gc
-
-    gc.collect()
-    # objects made so far live as long as the zygote: keep the collector from touching (un-sharing) them
-    if hasattr(gc, "freeze"):
-        gc.freeze()
-    sock.send(json.dumps({"loaded": loaded, "failed": failed, "vm_kb": base_vm_kb}).encode())
-    while True:
-        try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 8)
-        except InterruptedError:
-            continue
-        except OSError:
-            os._exit(0)
-        if not msg or msg[:1] == b"Q":
-            os._exit(0)
-        if msg[:1] != b"S" or len(fds) != 4 or len(msg) != 5:
-            for fd in fds:
-                os.close(fd)
-            continue
-        try:
-            pid = os.fork()
-        except OSError as e:
-            for fd in fds:
-                os.close(fd)
-            sock.send(_ZEXIT.pack(b"E", 0, e.errno or 0, 0, 0, 0, 0))
-            continue
-        if pid == 0:
-            sock.close()
-            _child(fds, _U32.unpack_from(msg, 1)[0], prctl, main, run_exitfuncs)  # never returns
-        for fd in fds:
-            os.close(fd)
-        while True:
-            try:
-                _, status, ru = os.wait4(pid, 0)
-                break
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                status, ru = 255 << 8, None
-                break
-        if ru is None:
-            sock.send(_ZEXIT.pack(b"X", pid, status, 0, 0, 0, 0))
-        else:
-            sock.send(_ZEXIT.pack(b"X", pid, status, int(ru.ru_utime * 1e6), int(ru.ru_stime * 1e6),
-                                  ru.ru_maxrss, ru.ru_minflt))
-
-
-# ---------------------------------------------------------------------------------------------- child
-def _child(fds, spec_size, prctl, main, run_exitfuncs):
-    """In the forked child: become the call's process, then exec argv or run the python code."""
-    spec_fd, stdin_fd, out_fd, err_fd = fds
-    try:
-        os.setsid()
-        # (mode, argv, env, (uid, gid), cwd, cpu limit, address-space limit, code, file, args)
-        mode, argv, env, ids, cwd, cpu, mem, code, path, args = marshal.loads(os.pread(spec_fd, spec_size, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, cpu)
-        if mem is not None:
-            resource.setrlimit(resource.RLIMIT_AS, mem)
-        os.setgroups(())
-        os.setgid(ids[1])
-        os.setuid(ids[0])
-        os.chdir(cwd)
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.closerange(3, 1 << 20)
-        for k in env:
-            os.environ[k] = env[k]
-        if mode != "python":
-            # Python ignores these; an exec'd program must get the defaults back (like subprocess does)
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-            try:
-                os.execvp(argv[0], argv)
-            except OSError as e:
-                os.write(2, f"shoal: cannot execute {argv[0]}: {e.strerror}\n".encode())
-                os._exit(127)
-        if prctl is not None:
-            # changing uid made the process non-dumpable, so /proc/self/{fd,mem,...} would belong to root;
-            # a program started by that user is dumpable (exec does this for the exec'd steps)
-            prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
-        if cwd in sys.path_importer_cache:
-            del sys.path_importer_cache[cwd]  # made by an import in the zygote while the dir did not exist
-        if path != main.__file__:
-            main.__file__ = path
-            sys.argv[0] = path
-        if args:
-            sys.argv.extend(args)
-    except BaseException as e:
-        try:
-            os.write(err_fd, f"shoal: could not start the call: {type(e).__name__}: {e}\n".encode())
-        except OSError:
-            pass
-        os._exit(127)
-    _run_python(path, code, main, run_exitfuncs)
-
-
-def _run_python(path, src, main, run_exitfuncs):
-    """Run `src` as `__main__` in this (forked, warm) interpreter, exiting like `python path` would."""
-    code = 0
-    try:
-        exec(compile(src, path, "exec"), main.__dict__)
-    except SystemExit as e:
-        code = _exit_code(e.code)
-    except BaseException as e:
-        tb = e.__traceback__
-        # drop this runner's own frame: the traceback starts in the user's file, as `python main.py` shows
-        while tb is not None and tb.tb_frame.f_code.co_filename != path and tb.tb_next is not None:
-            tb = tb.tb_next
-        if tb is not None and tb.tb_frame.f_code.co_filename != path:
-            tb = None
-        e.__traceback__ = tb
-        try:
-            sys.excepthook(type(e), e, tb)
-        except BaseException:
-            pass
-        code = 130 if isinstance(e, KeyboardInterrupt) else 1
-    code = _shutdown(code, run_exitfuncs)
-    os._exit(code)
-
-
-def _exit_code(value):
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    try:
-        sys.stderr.write(str(value) + "\n")
-    except BaseException:
-        pass
-    return 1
-
-
-def _shutdown(code, run_exitfuncs):
-    """What the interpreter does at exit: join non-daemon threads, atexit handlers, flush stdio."""
-    try:
-        threading = sys.modules.get("threading")
-        if threading is not None and len(threading._active) > 1:
-            threading._shutdown()
-    except BaseException:
-        pass
-    try:
-        run_exitfuncs()
-    except SystemExit as e:
-        code = _exit_code(e.code)
-    except BaseException:
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            code = code or 120
-    return code
-
-
 # ---------------------------------------------------------------------------------------------- dispatcher
 class Dispatcher:
     """Serves the host's requests one at a time; see the module docstring."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, zygote):
         self.cfg = cfg
         self.uid = int(cfg.get("uid", 65534))
         self.gid = int(cfg.get("gid", 65534))
         self.workdir = cfg.get("workdir", "/sandbox")
         self.fsize_mb = int(cfg.get("fsize_mb", 256))
         self.kill_grace_s = float(cfg.get("kill_grace_s", 5.0))
-        self.base_env = dict(os.environ)
-        for k in ("HOSTNAME", "LD_BIND_NOW"):
-            self.base_env.pop(k, None)
-        self.base_env.update({"HOME": self.workdir, "PWD": self.workdir, "USER": "sandbox", "LOGNAME": "sandbox"})
-        self.base_env.update(cfg.get("env") or {})
+        self.zsock, self.zpid, self.base_env, self.zygote_ready = zygote
         self.clean_dirs = {}
         self.pid = os.getpid()
-        self.infra = {1, self.pid}
-        self.zsock = None
-        self.zpid = 0
+        self.infra = {1, self.pid, self.zpid}
         self.devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        self.zygote_vm_kb = 0
+        self.zygote_vm_kb = int(self.zygote_ready.get("vm_kb", 0))
         self.ipc_fds = []
         self.children_fds = ()
         self.expect_init_children = b""
@@ -382,31 +130,13 @@ class Dispatcher:
         t0 = time.monotonic()
         if os.path.lexists(self.workdir) and (not os.path.isdir(self.workdir) or os.listdir(self.workdir)):
             raise RuntimeError(f"the image already has {self.workdir}; choose another fncall workdir")
-        # the zygote is forked first, so its memory holds nothing of the walk below
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
-        if pid == 0:
-            parent.close()
-            try:
-                _FSIZE_MB[0] = self.fsize_mb
-                zygote_main(child, list(self.cfg.get("preload") or []), self.base_env,
-                            os.path.join(self.workdir, "main.py"), self.workdir)
-            finally:
-                os._exit(1)
-        child.close()
-        self.zsock, self.zpid = parent, pid
-        self.infra.add(pid)
-        t1 = time.monotonic()
         self._find_clean_dirs()
-        walk_ms = (time.monotonic() - t1) * 1000
+        walk_ms = (time.monotonic() - t0) * 1000
         tools = {t: shutil.which(t, path=self.base_env.get("PATH")) for t in self.cfg.get("tools", [])}
-        ready = json.loads(self.zsock.recv(1 << 20) or b"{}")
-        self.zygote_vm_kb = int(ready.get("vm_kb", 0))
-        info = {"op": "ready", "pid": self.pid, "zygote": pid, "python": sys.version.split()[0],
+        ready = self.zygote_ready
+        return {"op": "ready", "pid": self.pid, "zygote": self.zpid, "python": sys.version.split()[0],
                 "tools": tools, "preloaded": ready.get("loaded", []), "preload_failed": ready.get("failed", {}),
-                "clean_dirs": sorted(self.clean_dirs), "startup_ms": round((time.monotonic() - t0) * 1000, 1),
-                "walk_ms": round(walk_ms, 1)}
-        return info
+                "clean_dirs": sorted(self.clean_dirs), "walk_ms": round(walk_ms, 1)}
 
     def _find_clean_dirs(self):
         """Every directory a call's uid could write to: world-writable ones (and any it owns)."""
@@ -885,24 +615,12 @@ class ZygoteGone(Exception):
     """The zygote died: this worker cannot start calls any more."""
 
 
-def main():
-    """Entry point inside the container."""
-    try:
-        with open("/proc/1/cmdline", "rb") as f:
-            init = f.read()
-    except OSError:
-        init = b""
-    if b"shoal-agent" not in init:
-        sys.stderr.write("fncall worker: PID 1 is not shoal-agent; refusing to run outside a shoal sandbox\n")
-        sys.exit(2)
-    first = read_message(0)
-    if first is None:
-        sys.exit(0)
-    cfg = first[0]
+def main(cfg, zygote):
+    """Entry point inside the container (called by the bootstrap once the zygote runs)."""
     # stray prints must never reach the channel to the host
     sys.stdout = sys.stderr
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    d = Dispatcher(cfg)
+    d = Dispatcher(cfg, zygote)
     try:
         info = d.start()
     except Exception as e:
@@ -918,7 +636,3 @@ def main():
             d.zsock.send(b"Q")
         except OSError:
             pass
-
-
-if __name__ == "__main__":
-    main()
