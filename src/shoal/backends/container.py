@@ -22,7 +22,6 @@ from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.config import Paths
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.host import cgroups, syscalls
-from shoal.host.mntns import MountNamespace
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image
@@ -122,7 +121,7 @@ class ContainerBackend(Backend):
         if len(str(sock_path)) > _SUN_PATH_MAX:
             raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({sock_path}); use a shorter one")
         listener: socket.socket | None = None
-        mntns: MountNamespace | None = None
+        overlay: tuple[str, str, str] | None = None
         try:
             rootfs = d / "rootfs"
             rootfs.mkdir()
@@ -135,8 +134,8 @@ class ContainerBackend(Backend):
             opts = f"lowerdir={lowerdir},upperdir={upper},workdir={work},{_OVERLAY_OPTS}"
             helper = await self._mntns_helper() if rt.name in ("crun", "runc") else None
             if helper:
-                # the overlay lives in the sandbox's own mount namespace (see shoal.host.mntns)
-                mntns = await MountNamespace.start(helper, str(rootfs), opts)
+                # mounted by the runtime's wrapper in a mount namespace of its own (see shoal.host.mntns)
+                overlay = (helper, str(rootfs), opts)
             else:
                 syscalls.mount("overlay", str(rootfs), "overlay", 0, opts)
             netns = None
@@ -159,12 +158,12 @@ class ContainerBackend(Backend):
                 rootfs=str(rootfs), guest_dir=str(self.guest_dir), hostname=spec.hostname or "sandbox",
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv,
-                swap_mb=self._swap_mb(spec.memory_mb), mntns_path=mntns.path if mntns else None,
+                swap_mb=self._swap_mb(spec.memory_mb),
                 empty_dir=self._empty_dir(),
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()
-            r = await rt.run_detached(d, rec.cid, listener.fileno(), pid_file=d / "init.pid")
+            r = await rt.run_detached(d, rec.cid, listener.fileno(), pid_file=d / "init.pid", overlay=overlay)
             if r.returncode != 0:
                 msg = (r.stderr or r.stdout).decode(errors="replace").strip()
                 raise SandboxError(f"{rt.name} could not start the sandbox: {msg[-1500:]}")
@@ -178,14 +177,10 @@ class ContainerBackend(Backend):
         except BaseException:
             if listener is not None:
                 listener.close()
-            if mntns is not None:
-                await mntns.release()
             await self._drop_pending(rec.id)
             await self.destroy(rec)
             raise
         listener.close()
-        if mntns is not None:
-            await mntns.release()
 
     async def _connect(self, rec: SandboxRecord, timeout: float) -> AgentClient:
         from shoal.agentproto.client import AgentClient

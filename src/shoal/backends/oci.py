@@ -50,6 +50,12 @@ def _nofile() -> int:
     return 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
 
 
+@functools.cache
+def _masked_dirs() -> list[str]:
+    # which masked paths are directories is a property of the host's kernel: look once
+    return [p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p)]
+
+
 _SECCOMP_MARK = "@@shoal-seccomp@@"
 
 
@@ -122,7 +128,7 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         # kernel gives every memory cgroup per-superblock shrinker state for the most superblocks the host
         # ever had at once (~1 KiB per 64 of them, per cgroup): O(n^2) memory for n sandboxes. A read-only
         # bind of an empty directory hides it the same way without a superblock.
-        dirs = [p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p)]
+        dirs = _masked_dirs()
         mounts += [{"destination": p, "type": "bind", "source": empty_dir,
                     "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]} for p in dirs]
         masked = [p for p in MASKED_PATHS if p not in dirs]

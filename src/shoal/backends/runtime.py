@@ -125,8 +125,11 @@ class OciRuntime:
         return None
 
     async def run_detached(self, bundle: Path, cid: str, listen_fd: int | None,
-                           pid_file: Path | None = None) -> Completed:
-        """Start the container in the background, handing `listen_fd` to it as fd 3."""
+                           pid_file: Path | None = None,
+                           overlay: tuple[str, str, str] | None = None) -> Completed:
+        """Start the container in the background, handing `listen_fd` to it as fd 3. With `overlay` =
+        (mntns helper, rootfs, mount options), the runtime runs in a fresh mount namespace holding that
+        overlay on the rootfs (shoal.host.mntns)."""
         args = ["run", "-d", "--bundle", str(bundle)]
         if pid_file is not None:
             args += ["--pid-file", str(pid_file)]
@@ -135,6 +138,12 @@ class OciRuntime:
             args += ["--preserve-fds", "1"]
             fds[3] = listen_fd
         args.append(cid)
+        if overlay is not None:
+            from shoal.host.mntns import wrap
+
+            program = self.executable or shutil.which(self.binary) or self.binary
+            exe, argv = wrap(*overlay, program, self._argv(*args))
+            return await run(argv, fds=fds, timeout=60, executable=exe)
         return await run(self._argv(*args), fds=fds, timeout=60, executable=self.executable)
 
     async def kill(self, cid: str, sig: str = "KILL", all_procs: bool = False) -> Completed:
