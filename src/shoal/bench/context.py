@@ -31,6 +31,7 @@ class Sizes:
     sustained_s: float = 10.0
     sustained_concurrency: tuple[int, ...] = (1, 8, 32)
     sustained_docker_s: float = 15.0
+    pool_size: int = 64
     burst: int = 1000
     burst_docker: int = 1000
     docker_budget_s: float = 180.0
@@ -51,7 +52,7 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         """About a minute in all (sandbox scenarios; the others' own quick sizes)."""
-        return cls(create_seq=20, create_seq_docker=5, sustained_s=3.0, sustained_concurrency=(16,),
+        return cls(create_seq=20, create_seq_docker=5, sustained_s=3.0, sustained_concurrency=(16,), pool_size=16,
                    sustained_docker_s=4.0, burst=100, burst_docker=20, docker_budget_s=30.0, exec_rtt=200,
                    exec_rtt_docker=30, exec_sandboxes=10, exec_sandboxes_docker=5, exec_throughput_s=2.0,
                    exec_concurrency=16, density_target=200, density_step=100, density_docker_target=20,

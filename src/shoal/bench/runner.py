@@ -150,6 +150,8 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     home = Path(home or f"/tmp/shoal-bench-{os.getpid()}")
     home.mkdir(parents=True, exist_ok=True)
     paths = Paths.from_env(home, os.environ.get("SHOAL_STORE") or "/var/lib/shoal/store")
+    # other scenarios start servers and nodes of their own: they use the same store
+    os.environ.setdefault("SHOAL_STORE", str(paths.store))
     cfg = NodeConfig(paths=paths, memory_overcommit=1000.0)
     node = Node(cfg)
     ensure_base(node.store, log=lambda s: console.print(f"  {s}"))

@@ -50,7 +50,7 @@ async def _settle(seconds: float = 1.0) -> dict[str, int]:
 def _point(n: int, base: dict[str, int], now: dict[str, int], extra: dict[str, Any]) -> dict[str, Any]:
     p = {"n": n, "used_mib": round((now["used"] - base["used"]) / MIB, 1),
          "available_drop_mib": round((base["available"] - now["available"]) / MIB, 1)}
-    for k in ("slab", "slab_unreclaimable", "kernel_stack", "page_tables", "percpu", "anon"):
+    for k in ("slab", "slab_unreclaimable", "kernel_stack", "page_tables", "percpu", "anon", "shmem"):
         p[f"{k}_mib"] = round((now[k] - base[k]) / MIB, 2)
     p.update(extra)
     return p
@@ -114,6 +114,9 @@ async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, 
                 lat.append(time.perf_counter() - t)
     final = await _settle(1.0)
     fds = len(list(Path("/proc/self/fd").iterdir()))
+    # what one sandbox's own processes take (the agent), sampled
+    agents = [node.record(i).init_pid for i in random.sample(ids, min(50, len(ids)))]
+    agent_pss_kib = process_tree_rss([p for p in agents if p]) / 1024 / max(1, len(agents))
     close_s = await close_all(ctx, ids, f"closing {len(ids)} sandboxes")
     after = await _settle(3.0)
     return {"target": target, "created": len(ids), "alive_after_settle": alive, "stop_reason": stop_reason,
@@ -126,9 +129,22 @@ async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, 
                                           ("slab_mib", "slab_unreclaimable_mib", "kernel_stack_mib", "page_tables_mib",
                                            "percpu_mib", "anon_mib", "cgroup_charged_mib", "node_rss_mib")
                                           if all(p.get(k) is not None for p in points)},
+            "agent_pss_kib": round(agent_pss_kib, 1),
+            "kernel_agent_node_kib_per_sandbox": _attributable(points, agent_pss_kib),
             "node_fds_at_peak": fds, "close_all_s": round(close_s, 1),
             "close_rate_per_s": round(len(ids) / close_s, 1) if close_s else None,
             "used_after_close_mib": round((after["used"] - base["used"]) / MIB, 1)}
+
+
+def _attributable(points: list[dict[str, Any]], agent_pss_kib: float) -> float | None:
+    """Kernel objects (slab, page tables, kernel stacks, per-CPU, shmem) + the agent's PSS + the node's RSS
+    per sandbox: less exposed to other work on the host than `used`, which also moves with it."""
+    parts = [_per_item(points, k) for k in ("slab_mib", "kernel_stack_mib", "page_tables_mib", "percpu_mib",
+                                             "node_rss_mib")]
+    if any(p is None for p in parts):
+        return None
+    shm = _per_item(points, "shmem_mib") or 0.0
+    return round((sum(parts) + shm) * 1024 + agent_pss_kib, 1)
 
 
 def _kib(mib_per_item: float | None) -> float | None:
@@ -193,6 +209,9 @@ async def run(ctx: BenchContext) -> ScenarioResult:
                    target="≤ 1 MiB", met=at_most(per_mib, 1.0)),
             Metric("host memory per idle sandbox (delta ÷ count)", s["per_sandbox_kib_delta"] / 1024,
                    dk["per_container_kib_delta"] / 1024 if dk else None, "MiB"),
+            Metric("kernel objects + agent + node per sandbox (slope)",
+                   (s["kernel_agent_node_kib_per_sandbox"] or 0) / 1024 or None, None, "MiB",
+                   note=f"agent PSS {s['agent_pss_kib']} KiB"),
             Metric(f"exec p50 with {s['created']} sandboxes alive", s["exec_sample"]["latency"].get("p50_ms"), None,
                    "ms"))
     res.notes.append("per-sandbox breakdown (KiB, slopes): " + ", ".join(

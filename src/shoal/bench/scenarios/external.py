@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import re
 import sys
 import time
 from pathlib import Path
@@ -69,14 +70,16 @@ def load_bench_function(module: str, func: str) -> tuple[Any, str]:
 def _kwargs(fn: Any, ctx: BenchContext, overrides: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(fn).parameters
     offer = {"client": ctx.client, "node": ctx.node, "docker": ctx.docker, "quick": ctx.quick,
-             "progress": ctx.progress}
+             "progress": ctx.progress, "log": ctx.log}
     kw = {k: v for k, v in offer.items() if k in params}
     if ctx.quick:
         for k, small in (("n", ctx.sizes.external_n), ("reps", 2), ("count", ctx.sizes.external_n)):
             p = params.get(k)
             if p is not None and small is not None and isinstance(p.default, int) and p.default > small:
                 kw[k] = small
-    kw.update({k: v for k, v in overrides.items() if k in params})
+    quick_over = overrides.pop("quick_overrides", {}) if ctx.quick else {}
+    overrides.pop("quick_overrides", None)
+    kw.update({k: v for k, v in {**overrides, **quick_over}.items() if k in params})
     return kw
 
 
@@ -104,10 +107,16 @@ def flatten(d: Any, prefix: str = "") -> list[tuple[str, float]]:
             out += flatten(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(d, list) and len(d) <= 8:
         for i, v in enumerate(d):
-            out += flatten(v, f"{prefix}[{i}]")
+            label = next((str(v[k]) for k in ("system", "name", "label", "bench") if isinstance(v, dict)
+                          and isinstance(v.get(k), str)), str(i)) if isinstance(v, dict) else str(i)
+            out += flatten(v, f"{prefix}[{label}]")
     elif isinstance(d, (int, float)) and not isinstance(d, bool):
         out.append((prefix, float(d)))
     return out
+
+
+# leaves that describe the run rather than measure it (they stay in the JSON)
+_NOISE = re.compile(r"(^|\.)(config|spec|loadavg[a-z_]*|time|started|cpus|kernel|samples[a-z_]*)(\.|\[|$)|\[\d+\]")
 
 
 def rows_from(result: Any, label: str = "") -> list[Metric]:
@@ -119,7 +128,7 @@ def rows_from(result: Any, label: str = "") -> list[Metric]:
                 rows.append(Metric(str(m["name"]), m.get("shoal"), m.get("docker"), m.get("unit", ""),
                                    m.get("better", "lower"), m.get("target", ""), m.get("met"), m.get("note", "")))
         return rows
-    rows = [Metric(f"{label}{k}", v, None, _unit(k)) for k, v in flatten(result)]
+    rows = [Metric(f"{label}{k}", v, None, _unit(k)) for k, v in flatten(result) if not _NOISE.search(k)]
     return rows[:MAX_ROWS]
 
 
@@ -291,7 +300,8 @@ async def pause(ctx: BenchContext) -> ScenarioResult:
 @scenario("fncall", "short Python calls per second on the warm fncall pool")
 async def fncall(ctx: BenchContext) -> ScenarioResult:
     """bench_fncall.run_fncall_bench, beside `docker exec python3 -c` on warm containers."""
-    res = await _external(ctx, "fncall", [("bench_fncall", "run_fncall_bench", {})])
+    res = await _external(ctx, "fncall", [("bench_fncall", "run_fncall_bench",
+                                            {"quick_overrides": {"n": 300, "warmup": 50}})])
     if ctx.docker and "run_fncall_bench" in res.data:
         n = 50 if ctx.quick else 300
         dk = await docker_python_calls(ctx, n)
