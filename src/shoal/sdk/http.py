@@ -17,6 +17,7 @@ import random
 import time
 import urllib.parse
 import weakref
+import zlib
 from typing import Any
 
 import httpx
@@ -35,6 +36,7 @@ from shoal.server.codec import (
 
 _CHUNK = 1 << 20  # stdin bytes per WebSocket message
 _SLACK_S = 30.0   # how much longer than a command's own timeout an exec request may take
+_SHARD_CONNECTIONS = 32  # connections per httpx pool (see HttpTransport.start)
 
 
 def _q(part: str) -> str:
@@ -198,38 +200,51 @@ class HttpTransport(Transport):
         self._headers = {"User-Agent": "shoal-sdk", **(headers or {})}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._http: httpx.AsyncClient | None = None
+        self._shards: list[httpx.AsyncClient] = []
+        self._rr = 0
         #: streams still open: closed with the transport (their commands are then killed by the server)
         self._streams: weakref.WeakSet[HttpStream] = weakref.WeakSet()
 
     # ---- plumbing -------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._http is None:
-            self._http = httpx.AsyncClient(
+        # httpcore's connection pool does O(connections x waiting requests) work per request: with
+        # hundreds of requests in flight one pool costs milliseconds of CPU each. Several small pools,
+        # chosen by sandbox ID (so a sandbox's requests reuse the same keep-alive connections), keep
+        # that cost flat.
+        if not self._shards:
+            n = max(1, -(-self._max_connections // _SHARD_CONNECTIONS))
+            per = max(1, -(-self._max_connections // n))
+            self._shards = [httpx.AsyncClient(
                 base_url=self.url, headers=self._headers, verify=self._verify,
                 timeout=httpx.Timeout(connect=10.0, read=self.timeout, write=60.0, pool=None),
-                limits=httpx.Limits(max_connections=self._max_connections,
-                                    max_keepalive_connections=min(self._max_connections, 256)))
+                limits=httpx.Limits(max_connections=per, max_keepalive_connections=per)) for _ in range(n)]
 
     async def aclose(self) -> None:
         for st in list(self._streams):
             await st.aclose()
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        shards, self._shards = self._shards, []
+        for c in shards:
+            await c.aclose()
 
-    async def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
+    async def _client(self, path: str = "") -> httpx.AsyncClient:
+        if not self._shards:
             await self.start()
-        assert self._http is not None
-        return self._http
+        n = len(self._shards)
+        if n == 1:
+            return self._shards[0]
+        if path.startswith("/v1/sandboxes/"):
+            key = path.split("/", 4)[3]
+            if key != "batch":
+                return self._shards[zlib.crc32(key.encode()) % n]
+        self._rr = (self._rr + 1) % n
+        return self._shards[self._rr]
 
     async def _request(self, method: str, path: str, *, json_body: Any = None, params: Any = None,
                        content: bytes | None = None, read_timeout: float | None = -1.0,
                        retry_capacity: bool = True) -> httpx.Response:
         """One API call with typed errors, retrying capacity refusals and unopened connections until the
         deadline (this transport's `timeout`, or the call's own when it is longer)."""
-        http = await self._client()
+        http = await self._client(path)
         rt = self.timeout if read_timeout == -1.0 else read_timeout
         deadline = time.monotonic() + max(self.timeout, (rt or 0.0))
         timeout = httpx.Timeout(connect=10.0, read=rt, write=60.0, pool=None)
