@@ -275,8 +275,8 @@ class FncallManager:
         if not isinstance(mem, int) or isinstance(mem, bool) or not 16 <= mem <= c.max_memory_mb:
             raise InvalidRequest(f"memory_mb={memory_mb!r} must be an integer between 16 and {c.max_memory_mb}")
         cap = c.max_output_bytes if max_output is None else max_output
-        if not isinstance(cap, int) or not 0 < cap <= 1 << 30:
-            raise InvalidRequest(f"max_output={max_output!r} must be a positive number of bytes (at most 1 GiB)")
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 < cap <= 256 << 20:
+            raise InvalidRequest(f"max_output={max_output!r} must be a positive number of bytes (at most 256 MiB)")
         file_list, file_blobs, total = [], [], 0
         if files:
             if not isinstance(files, Mapping):
