@@ -116,7 +116,7 @@ def flatten(d: Any, prefix: str = "") -> list[tuple[str, float]]:
 
 
 # leaves that describe the run rather than measure it (they stay in the JSON)
-_NOISE = re.compile(r"(^|\.)(config|spec|loadavg[a-z_]*|time|started|cpus|kernel|samples[a-z_]*)(\.|\[|$)|\[\d+\]")
+_NOISE = re.compile(r"(^|\.)(config|spec|loadavg[a-z_]*|time|started|cpus|kernel|samples[a-z_]*)(\.|\[|$)|\[\d+\]$")
 
 
 def rows_from(result: Any, label: str = "") -> list[Metric]:
@@ -130,6 +130,89 @@ def rows_from(result: Any, label: str = "") -> list[Metric]:
         return rows
     rows = [Metric(f"{label}{k}", v, None, _unit(k)) for k, v in flatten(result) if not _NOISE.search(k)]
     return rows[:MAX_ROWS]
+
+
+def _g(d: Any, path: str) -> Any:
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _num(d: Any, path: str, scale: float = 1.0) -> float | None:
+    v = _g(d, path)
+    return v * scale if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _lazy_rows(out: dict[str, Any]) -> list[Metric]:
+    frac = _num(out, "read.start_and_json_fraction", 100)
+    rows = [Metric("image read to start + python3 -c 'import json' (cold cache)", frac, None, "%", target="≤ 10%",
+                   met=None if frac is None else frac <= 10,
+                   note=f"of {_num(out, 'image_bytes', 1 / 2**20) or 0:.0f} MiB, mount {_g(out, 'read.mount_mode')}"),
+            Metric("image read to start the sandbox only", _num(out, "read.start_fraction", 100), None, "%"),
+            Metric("layer mount, cold (file-backed EROFS)", _num(out, "mount.file.cold_ms"), None, "ms"),
+            Metric("layer mount, cold (loop device)", _num(out, "mount.loop.cold_ms"), None, "ms")]
+    s, d = _num(out, "writes.shoal.bytes_written", 1 / 1024), _num(out, "writes.docker.bytes_written", 1 / 1024)
+    if s is not None:
+        pct = 100 * s / d if d else None
+        rows.append(Metric(f"disk written per sandbox (image bench: {out.get('n_sandboxes')} per round)", s, d, "KiB",
+                           target="≤ 1% of Docker's", met=None if pct is None else pct <= 1,
+                           note=f"{pct:.2f}% of Docker's" if pct is not None else ""))
+    return rows
+
+
+def _pause_rows(out: dict[str, Any]) -> list[Metric]:
+    rows = []
+    for r in out.get("rounds", []):
+        if "skipped" in r:
+            continue
+        tag = "zram swap on" if r.get("swap_on") else "no swap"
+        ret = r.get("returned_pct")
+        rows += [Metric(f"{r.get('n')} paused idle sandboxes: memory returned ({tag})", ret, None, "%",
+                        better="higher", target="≥ 80% (issue 4)", met=None if ret is None else ret >= 80,
+                        note=f"{r.get('per_sandbox_before_mib')} -> {r.get('per_sandbox_after_mib')} MiB each"),
+                 Metric(f"pause p50 ({tag})", _num(r, "pause.p50_ms"), None, "ms"),
+                 Metric(f"resume p50, with prefetch ({tag})", _num(r, "resume_prefetch.p50_ms"), None, "ms"),
+                 Metric(f"first command after resume p50 ({tag})", _num(r, "first_cmd_after_prefetch.p50_ms"), None,
+                        "ms")]
+    return rows
+
+
+def _fncall_rows(out: dict[str, Any]) -> list[Metric]:
+    rows = []
+    res = out.get("results", [])
+    sf = next((r for r in res if "sandboxfusion" in str(r.get("system", "")).lower()), None)
+    for r in res:
+        if r is sf:
+            continue
+        name = str(r.get("system", "?"))
+        cps = r.get("calls_per_s")
+        rows += [Metric(f"{name}: python calls/s", cps, None, "/s", better="higher",
+                        target="≥ 500/s (issue 9)" if "sdk" in name.lower() else "",
+                        met=(cps >= 500) if "sdk" in name.lower() and isinstance(cps, (int, float)) else None),
+                 Metric(f"{name}: call p99", r.get("p99_ms"), None, "ms")]
+    if sf is not None:
+        rows.append(Metric("SandboxFusion (same run): calls/s", sf.get("calls_per_s"), None, "/s", better="higher"))
+    for n in out.get("notes", []):
+        if "SandboxFusion" in str(n):
+            rows.append(Metric("SandboxFusion", None, None, "", note=str(n)[:200]))
+    return rows
+
+
+def _snapshot_rows(out: dict[str, Any]) -> list[Metric]:
+    p50 = _num(out, "seconds.p50_ms", 1 / 1000)
+    return [Metric(f"snapshot of a sandbox with {out.get('change_mb')} MB of changes, p50", p50, None, "s",
+                   target="≤ 2 s (issue 4)", met=None if p50 is None else p50 <= 2,
+                   note=f"frozen {_num(out, 'frozen.p50_ms') or 0:.0f} ms, layer {out.get('layer_mib')} MiB")]
+
+
+def _fork_rows(out: dict[str, Any]) -> list[Metric]:
+    return [Metric("fork(8): snapshot + 8 children ready", out.get("fork8_total_s"), None, "s"),
+            Metric(f"{out.get('n')} fresh base sandboxes ready (same run)", out.get("fresh_base_ready_s"), None, "s")]
+
+
+#: readable rows for the other scenarios whose result layout is known (the JSON keeps everything)
+CURATED = {"run_image_bench": _lazy_rows, "run_pause_bench": _pause_rows, "run_fncall_bench": _fncall_rows,
+           "run_snapshot_bench": _snapshot_rows, "run_fork_bench": _fork_rows}
 
 
 async def _external(ctx: BenchContext, name: str, calls: list[tuple[str, str, dict[str, Any]]]) -> ScenarioResult:
@@ -152,7 +235,15 @@ async def _external(ctx: BenchContext, name: str, calls: list[tuple[str, str, di
         ran += 1
         res.data[func] = out
         res.data[f"{func}_seconds"] = round(time.perf_counter() - t0, 1)
-        res.add(*rows_from(out, "" if len(calls) == 1 else f"{func.removeprefix('run_').removesuffix('_bench')}: "))
+        curated = CURATED.get(func)
+        rows = None
+        if curated is not None and isinstance(out, dict) and not isinstance(out.get("metrics"), list):
+            try:
+                rows = curated(out)
+            except Exception:  # a changed layout: fall back to every number
+                rows = None
+        res.add(*(rows or rows_from(out, "" if len(calls) == 1 else
+                                    f"{func.removeprefix('run_').removesuffix('_bench')}: ")))
     if not ran and not res.notes:
         res.notes.append("not available in this build")
     return res
