@@ -214,10 +214,11 @@ class HttpTransport(Transport):
         if not self._shards:
             n = max(1, -(-self._max_connections // _SHARD_CONNECTIONS))
             per = max(1, -(-self._max_connections // n))
+            # twice its share of connections: hashing never spreads sandboxes perfectly evenly
             self._shards = [httpx.AsyncClient(
                 base_url=self.url, headers=self._headers, verify=self._verify,
                 timeout=httpx.Timeout(connect=10.0, read=self.timeout, write=60.0, pool=None),
-                limits=httpx.Limits(max_connections=per, max_keepalive_connections=per)) for _ in range(n)]
+                limits=httpx.Limits(max_connections=2 * per, max_keepalive_connections=per)) for _ in range(n)]
 
     async def aclose(self) -> None:
         for st in list(self._streams):
