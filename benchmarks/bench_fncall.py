@@ -410,6 +410,11 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_fncall needs root (containers)", file=sys.stderr)
         return 2
+
+    def _term(*_: object) -> None:
+        raise KeyboardInterrupt  # unwind: pools and the servers this run started are closed on the way out
+
+    signal.signal(signal.SIGTERM, _term)
     res = asyncio.run(run_fncall_bench(n=args.n, concurrency=args.concurrency, snippet=args.snippet,
                                        expect=args.expect, warmup=args.warmup, sf_dir=args.sf_dir,
                                        sf_url=args.sf_url, http=not args.no_http, log_dir=args.out,
