@@ -278,9 +278,9 @@ async def test_exec_request_errors(client: AgentClient) -> None:
         await client.exec(["true"], cwd="/definitely/not/here")
     with pytest.raises(InvalidRequest, match="no such user"):
         await client.exec(["true"], user="no-such-user-xyz")
-    with pytest.raises(SandboxError, match="execvp: No such file or directory"):
+    with pytest.raises(InvalidRequest, match="execvp: No such file or directory"):
         await client.exec(["/no/such/binary"])
-    with pytest.raises(SandboxError, match="execvp"):
+    with pytest.raises(InvalidRequest, match="execvp"):
         await client.exec(["no-such-command-xyz"])
     with pytest.raises(InvalidRequest):
         await client.exec([])
@@ -377,7 +377,7 @@ async def test_exec_stream_events_then_exit(client: AgentClient) -> None:
     assert [(e.kind, e.data) for e in events[:-1]] == [("stdout", b"a\n"), ("stderr", b"b\n")]
     assert events[-1].kind == "exit" and events[-1].result is not None
     assert events[-1].result.exit_code == 7
-    with pytest.raises(SandboxError):
+    with pytest.raises(InvalidRequest):
         await (await client.exec_stream(["/nope"])).wait()
 
 

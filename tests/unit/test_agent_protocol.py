@@ -151,7 +151,7 @@ def test_signal_and_resize_payloads() -> None:
         ("exec", "not_a_directory", InvalidRequest),
         ("exec", "bad_request", InvalidRequest),
         ("exec", "no_such_user", InvalidRequest),
-        ("exec", "spawn_failed", SandboxError),
+        ("exec", "spawn_failed", InvalidRequest),  # errno 2: the program does not exist
         ("shell_run", "no_such_shell", ShellNotFound),
         ("shell_run", "shell_busy", InvalidRequest),
         ("hello", "unauthorized", Unauthorized),
@@ -163,6 +163,12 @@ def test_error_codes_map_to_typed_errors(op: str, code: str, cls: type[Exception
     err = agent_error(op, {"code": code, "message": "m", "errno": 2})
     assert type(err) is cls
     assert err.details["agent_code"] == code
+
+
+def test_spawn_failure_from_the_sandbox_state_is_a_sandbox_error() -> None:
+    err = agent_error("exec", {"code": "spawn_failed", "message": "fork: Resource temporarily unavailable",
+                               "errno": 11})
+    assert type(err) is SandboxError
 
 
 def test_file_not_found_is_also_a_python_file_not_found_error() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -63,6 +64,10 @@ def agent_error(op: str, payload: Mapping[str, Any]) -> ShoalError:
     if code == "unknown_op":
         return AgentProtocolError(f"agent does not know op {op!r} (version mismatch?): {message}", **details)
     if code == "spawn_failed":
+        # a program that does not exist or cannot be executed is the caller's mistake (HTTP 422);
+        # anything else (EAGAIN at the pids limit, ENOMEM) is the sandbox's state
+        if payload.get("errno") in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.ELOOP):
+            return InvalidRequest(f"cannot run the command: {message}", **details)
         return SandboxError(f"could not start the process: {message}", **details)
     if code in _FILE_CODES:
         if op in _PROCESS_OPS:
