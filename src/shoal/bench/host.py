@@ -75,6 +75,21 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+def cpu_times() -> tuple[int, int]:
+    """(all, idle) jiffies of the whole machine since boot."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0)
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds used by this process and its waited-for children (crun, helpers) so far."""
+    import resource
+
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
 def cpu_busy_fraction(interval_s: float = 1.0) -> float:
     """Fraction of all CPUs busy over `interval_s` (from /proc/stat): how quiet the machine is."""
     def snap() -> tuple[int, int]:

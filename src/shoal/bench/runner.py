@@ -68,6 +68,8 @@ def leaks(home: Path) -> dict[str, list[str]]:
 async def _run_one(ctx: BenchContext, name: str) -> ScenarioResult:
     scen = load_all()[name]
     t0 = time.monotonic()
+    all0, idle0 = host.cpu_times()
+    own0 = host.own_cpu_seconds()
     ctx.console.rule(f"[bold]{name}[/bold] — {scen.title}")
     try:
         res = await scen.fn(ctx)
@@ -80,6 +82,16 @@ async def _run_one(ctx: BenchContext, name: str) -> ScenarioResult:
         ctx.console.print(f"  [red]failed:[/red] {res.error}")
     res.title = res.title or scen.title
     res.seconds = time.monotonic() - t0
+    # how busy the machine was meanwhile, and how much of it was this benchmark's node (+ crun): the rest
+    # is other work on the host (and Docker's daemons during the Docker parts)
+    all1, idle1 = host.cpu_times()
+    ticks = os.sysconf("SC_CLK_TCK")
+    busy_s = ((all1 - all0) - (idle1 - idle0)) / ticks
+    own_s = host.own_cpu_seconds() - own0
+    ncpu = os.cpu_count() or 1
+    res.data["machine"] = {"busy_fraction": round(busy_s / max(1e-9, res.seconds * ncpu), 3),
+                           "bench_process_cpu_s": round(own_s, 1), "machine_busy_cpu_s": round(busy_s, 1),
+                           "load_avg_after": [round(x, 1) for x in os.getloadavg()]}
     # every scenario starts from an empty node
     with contextlib.suppress(Exception):
         n = await ctx.node.close_all()
