@@ -297,8 +297,11 @@ async def run_fncall_bench(n: int = 3000, concurrency: int = 32, snippet: str = 
                            http: bool = True, log_dir: str | Path | None = None,
                            log: Any = None) -> dict[str, Any]:
     """Run every phase and return {config, results: [row per system], ratios, notes}."""
+    import tempfile
+
     log = log or (lambda s: None)
-    log_dir = Path(log_dir or ROOT / "benchmarks" / "results")
+    # the servers' logs are for debugging a run, not results: they go to the temp dir unless asked otherwise
+    log_dir = Path(log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     from shoal.backends.fncall import FncallConfig
 
@@ -406,6 +409,7 @@ def main() -> int:
     ap.add_argument("--sf-url", help="an already running SandboxFusion server")
     ap.add_argument("--no-http", action="store_true", help="skip the shoal HTTP row")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--logs", type=Path, help="where the servers' logs go (default: the temp dir)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_fncall needs root (containers)", file=sys.stderr)
@@ -417,7 +421,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _term)
     res = asyncio.run(run_fncall_bench(n=args.n, concurrency=args.concurrency, snippet=args.snippet,
                                        expect=args.expect, warmup=args.warmup, sf_dir=args.sf_dir,
-                                       sf_url=args.sf_url, http=not args.no_http, log_dir=args.out,
+                                       sf_url=args.sf_url, http=not args.no_http, log_dir=args.logs,
                                        log=lambda s: print(s, file=sys.stderr, flush=True)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_fncall.json").write_text(json.dumps(res, indent=1) + "\n")
