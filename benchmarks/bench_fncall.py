@@ -296,8 +296,14 @@ async def run_fncall_bench(n: int = 3000, concurrency: int = 32, snippet: str = 
                            warmup: int = 200, sf_dir: str | Path | None = None, sf_url: str | None = None,
                            http: bool = True, log_dir: str | Path | None = None,
                            log: Any = None) -> dict[str, Any]:
-    """Run every phase and return {config, results: [row per system], ratios, notes}."""
+    """Run every phase and return {config, results: [row per system], ratios, notes}.
+
+    Without `sf_dir`/`sf_url`, the environment's SHOAL_SANDBOXFUSION_DIR / SHOAL_SANDBOXFUSION_URL are used
+    (so `shoal bench` includes SandboxFusion when they are set)."""
     import tempfile
+
+    sf_dir = sf_dir or os.environ.get("SHOAL_SANDBOXFUSION_DIR") or None
+    sf_url = sf_url or os.environ.get("SHOAL_SANDBOXFUSION_URL") or None
 
     log = log or (lambda s: None)
     # the servers' logs are for debugging a run, not results: they go to the temp dir unless asked otherwise
@@ -335,7 +341,7 @@ async def run_fncall_bench(n: int = 3000, concurrency: int = 32, snippet: str = 
                                           cpu)
         else:
             out["notes"].append("SandboxFusion not measured: pass --sf-dir (a checkout set up as in docs/fncall.md)"
-                                " or --sf-url")
+                                " or --sf-url, or set SHOAL_SANDBOXFUSION_DIR / SHOAL_SANDBOXFUSION_URL")
     except RuntimeError as e:
         out["notes"].append(f"SandboxFusion could not run: {e}")
     if sf_row is not None:
