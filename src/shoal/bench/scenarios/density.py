@@ -137,10 +137,11 @@ async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, 
 
 
 def _attributable(points: list[dict[str, Any]], agent_pss_kib: float) -> float | None:
-    """Kernel objects (slab, page tables, kernel stacks, per-CPU, shmem) + the agent's PSS + the node's RSS
-    per sandbox: less exposed to other work on the host than `used`, which also moves with it."""
-    parts = [_per_item(points, k) for k in ("slab_mib", "kernel_stack_mib", "page_tables_mib", "percpu_mib",
-                                             "node_rss_mib")]
+    """Kernel objects (unreclaimable slab, page tables, kernel stacks, per-CPU, shmem) + the agent's PSS + the
+    node's RSS per sandbox: less exposed to other work on the host than `used`, which also moves with it."""
+    # unreclaimable slab only: dentries and inodes (reclaimable slab) are not counted in `used` either
+    parts = [_per_item(points, k) for k in ("slab_unreclaimable_mib", "kernel_stack_mib", "page_tables_mib",
+                                             "percpu_mib", "node_rss_mib")]
     if any(p is None for p in parts):
         return None
     shm = _per_item(points, "shmem_mib") or 0.0
