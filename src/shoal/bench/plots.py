@@ -7,7 +7,7 @@ from pathlib import Path
 
 SHOAL_COLOR = "#1f77b4"
 DOCKER_COLOR = "#d62728"
-_COLORS = [SHOAL_COLOR, DOCKER_COLOR, "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+_OTHERS = ["#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf"]
 
 
 def _plt():
@@ -20,12 +20,13 @@ def _plt():
 
 
 def _color(i: int, label: str) -> str:
+    # Docker is always red, shoal's first series blue, anything else from a palette without either
     low = label.lower()
     if low.startswith("docker"):
         return DOCKER_COLOR
     if low.startswith("shoal") and i == 0:
         return SHOAL_COLOR
-    return _COLORS[i % len(_COLORS)]
+    return _OTHERS[i % len(_OTHERS)]
 
 
 def latency_cdf(path: Path, series: dict[str, Sequence[float]], title: str, xlabel: str = "latency (ms)") -> str:

@@ -125,7 +125,7 @@ async def docker_sustained(ctx: BenchContext, concurrency: int, duration: float)
 
 def _bucket(duration: float) -> float:
     # about 50 points per curve, at least 0.1 s wide (narrower buckets only show quantisation noise)
-    return max(0.1, round(duration / 50, 1))
+    return max(0.25, round(duration / 40, 1))
 
 
 async def burst(ctx: BenchContext, n: int) -> dict[str, Any]:
@@ -180,12 +180,14 @@ async def run(ctx: BenchContext) -> ScenarioResult:
     await close_all(ctx, [(await create_one(ctx)).id], "warm-up")
 
     seq = await sequential(ctx, sz.create_seq)
-    d["sequential"] = {"shoal": latency_summary(seq.latencies), "errors": first_errors(seq.errors)}
+    d["sequential"] = {"shoal": latency_summary(seq.latencies), "errors": first_errors(seq.errors),
+                       "shoal_ms": [round(x * 1000, 3) for x in seq.latencies]}
     dseq = None
     if ctx.docker:
         await docker_remove_all(ctx, [await docker_create_one(ctx)], "Docker warm-up")
         dseq = await docker_sequential(ctx, sz.create_seq_docker)
         d["sequential"]["docker"] = latency_summary(dseq.latencies)
+        d["sequential"]["docker_ms"] = [round(x * 1000, 3) for x in dseq.latencies]
     s50 = d["sequential"]["shoal"].get("p50_ms")
     dd = d["sequential"].get("docker", {})
     res.add(Metric("create-to-ready p50 (sequential)", s50, dd.get("p50_ms"), "ms", target="≤ 15 ms",
@@ -196,7 +198,8 @@ async def run(ctx: BenchContext) -> ScenarioResult:
     ph, pstats = await pool_hits(ctx, sz.pool_size)
     ctx.node.set_warm_pool(spec(ctx), 0)
     await ctx.node.pool.close()
-    d["pool"] = {"shoal": latency_summary(ph.latencies), **pstats}
+    d["pool"] = {"shoal": latency_summary(ph.latencies), **pstats,
+                 "shoal_ms": [round(x * 1000, 3) for x in ph.latencies]}
     res.add(Metric(f"create-to-ready p50, warm-pool hit (pool of {sz.pool_size})", d["pool"]["shoal"].get("p50_ms"),
                    dd.get("p50_ms"), "ms", note="refills run in the background; cold figure above"),
             Metric("create-to-ready p99, warm-pool hit", d["pool"]["shoal"].get("p99_ms"), dd.get("p99_ms"), "ms"))

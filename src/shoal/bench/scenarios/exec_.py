@@ -65,7 +65,8 @@ async def run(ctx: BenchContext) -> ScenarioResult:
         rtt = await _rtt(ctx, sz.exec_rtt, shoal_true, "shoal")
     finally:
         await close_all(ctx, [sid], "closing")
-    d["round_trip"] = {"shoal": latency_summary(rtt.latencies), "errors": first_errors(rtt.errors)}
+    d["round_trip"] = {"shoal": latency_summary(rtt.latencies), "errors": first_errors(rtt.errors),
+                       "shoal_ms": [round(x * 1000, 3) for x in rtt.latencies]}
     drtt = None
     if ctx.docker:
         cid = await docker_create_one(ctx)
@@ -79,6 +80,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
         finally:
             await docker_remove_all(ctx, [cid])
         d["round_trip"]["docker"] = latency_summary(drtt.latencies)
+        d["round_trip"]["docker_ms"] = [round(x * 1000, 3) for x in drtt.latencies]
     s = d["round_trip"]["shoal"]
     dk = d["round_trip"].get("docker", {})
     res.add(Metric("exec round trip p50 (`true`)", s.get("p50_ms"), dk.get("p50_ms"), "ms", target="≤ 3 ms",
