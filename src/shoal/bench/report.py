@@ -51,18 +51,19 @@ def print_scenario(console: Console, res: ScenarioResult) -> None:
 
 def markdown_table(doc: dict[str, Any]) -> str:
     """One Markdown table of every scenario's metrics."""
-    lines = ["| scenario | metric | shoal | Docker | shoal vs Docker | target | |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| scenario | metric | shoal | Docker | shoal vs Docker | target | | note |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, sc in doc.get("scenarios", {}).items():
         if sc.get("error") and not sc.get("metrics"):
-            lines.append(f"| {name} | error: {_esc(sc['error'])[:200]} | | | | | |")
+            lines.append(f"| {name} | error: {_esc(sc['error'])[:200]} | | | | | | |")
             continue
         if not sc.get("metrics"):
-            lines.append(f"| {name} | (no figures: {_esc('; '.join(sc.get('notes', [])))[:200]}) | | | | | |")
+            lines.append(f"| {name} | (no figures: {_esc('; '.join(sc.get('notes', [])))[:200]}) | | | | | | |")
         for m in sc.get("metrics", []):
             r = _row(m)
             mark = {"met": "✅", "MISSED": "❌", "n/a": ""}.get(r[5], "")
-            lines.append(f"| {name} | {_esc(r[0])} | {r[1]} | {r[2]} | {r[3]} | {_esc(r[4])} | {mark} |")
+            note = _esc(m.get("note") or "")[:160]
+            lines.append(f"| {name} | {_esc(r[0])} | {r[1]} | {r[2]} | {r[3]} | {_esc(r[4])} | {mark} | {note} |")
     return "\n".join(lines)
 
 
