@@ -37,6 +37,7 @@ SOURCE = r"""
 #include <errno.h>
 #include <unistd.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 
 int main(int argc, char **argv) {
     if (argc < 5) { fputs("usage: shoal-mntns TARGET OPTIONS PROGRAM ARGV0 [ARGS...]\n", stderr); return 2; }
@@ -45,6 +46,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make / private: %s\n", strerror(errno)); return 1; }
     if (mount("overlay", argv[1], "overlay", 0, argv[2]) != 0) {
         fprintf(stderr, "mount overlay on %s: %s\n", argv[1], strerror(errno)); return 1; }
+    /* the runtime and the sandbox run at the default priority, whatever the node agent's own */
+    setpriority(PRIO_PROCESS, 0, 0);
     execv(argv[3], argv + 4);
     fprintf(stderr, "exec %s: %s\n", argv[3], strerror(errno));
     return 127;
