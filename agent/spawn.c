@@ -26,15 +26,30 @@ struct rlimit g_orig_nofile;
  * ignored): the only ones a child has to reset, instead of 64 syscalls per spawn. */
 static unsigned char g_sig_nondefault[NSIG];
 
+/* The kernel's own struct sigaction. glibc's sigaction() refuses the two signals it keeps
+ * for itself (32 and 33), yet a parent can hand them down ignored (some CI runners do), and
+ * an ignored disposition survives execve; so both the query and the reset go to the kernel. */
+struct kernel_sigaction {
+	void (*handler)(int);
+	unsigned long flags;
+	void (*restorer)(void);
+	unsigned long mask;
+};
+
+static int raw_sigaction(int sig, const struct kernel_sigaction *act, struct kernel_sigaction *old)
+{
+	return (int)syscall(SYS_rt_sigaction, sig, act, old, sizeof(unsigned long));
+}
+
 void spawn_init(void)
 {
 	for (int s = 1; s < NSIG; s++) {
-		struct sigaction old;
+		struct kernel_sigaction old;
 		if (s == SIGKILL || s == SIGSTOP)
 			continue;
-		if (sigaction(s, NULL, &old) < 0)
-			continue; /* glibc-internal signals: refused, and never set by us */
-		g_sig_nondefault[s] = old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO);
+		if (raw_sigaction(s, NULL, &old) < 0)
+			continue;
+		g_sig_nondefault[s] = old.handler != SIG_DFL || (old.flags & SA_SIGINFO);
 	}
 }
 
@@ -216,12 +231,12 @@ static int child_main(void *arg)
 
 	/* The agent ignores SIGPIPE and blocks the signals it reads through signalfd; a child
 	 * must start from defaults. (No CLONE_SIGHAND: these changes are the child's alone.) */
-	struct sigaction sa;
+	struct kernel_sigaction sa;
 	memset(&sa, 0, sizeof sa);
-	sa.sa_handler = SIG_DFL;
+	sa.handler = SIG_DFL;
 	for (int s = 1; s < NSIG; s++)
 		if (g_sig_nondefault[s])
-			sigaction(s, &sa, NULL);
+			raw_sigaction(s, &sa, NULL);
 	sigset_t none;
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);

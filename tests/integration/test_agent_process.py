@@ -16,6 +16,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -299,8 +300,31 @@ async def test_children_get_clean_fds_signals_and_limits(client: AgentClient) ->
     assert soft == str(__import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)[0]).encode()
 
 
-async def test_children_reset_signals_the_agent_inherited_as_ignored() -> None:
-    a = start_agent(prefix=["sh", "-c", 'trap "" INT HUP QUIT USR1; exec "$@"', "sh"])
+# Ignores signals 32 and 33 through the raw syscall (glibc's signal() refuses them), then
+# execs the agent: some CI runners hand their children exactly this disposition.
+_IGNORE_GLIBC_INTERNAL = """
+import ctypes, os, sys
+class KSigaction(ctypes.Structure):
+    _fields_ = [("handler", ctypes.c_void_p), ("flags", ctypes.c_ulong),
+                ("restorer", ctypes.c_void_p), ("mask", ctypes.c_ulong)]
+ignore = KSigaction(1, 0, None, 0)  # SIG_IGN
+libc = ctypes.CDLL(None, use_errno=True)
+for sig in (32, 33):
+    assert libc.syscall(13, sig, ctypes.byref(ignore), None, 8) == 0  # rt_sigaction
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        ["sh", "-c", 'trap "" INT HUP QUIT USR1; exec "$@"', "sh"],
+        [sys.executable, "-c", _IGNORE_GLIBC_INTERNAL],
+    ],
+    ids=["posix-signals", "glibc-internal-32-33"],
+)
+async def test_children_reset_signals_the_agent_inherited_as_ignored(prefix: list[str]) -> None:
+    a = start_agent(prefix=prefix)
     try:
         with open(f"/proc/{a.pid}/status") as f:
             assert any(line.startswith("SigIgn:") and line.split()[1] != "0" * 16 for line in f)
