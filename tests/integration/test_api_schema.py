@@ -186,8 +186,6 @@ def test_run_code_contract(fuzz: Fuzz, mode: str) -> None:
     run()
 
 
-@pytest.mark.xfail(reason="issue 9: the fncall pool retries an image that does not exist instead of failing "
-                          "(run_code(image='no-such') never answers)", strict=False)
 def test_run_code_with_a_missing_image_fails_fast(fuzz: Fuzz) -> None:
     r = httpx.post(f"{fuzz.srv.url}/v1/run_code", headers=fuzz.h, timeout=60,
                    json={"code": "print(1)", "image": "no-such-image-" + secrets.token_hex(3)})

@@ -220,7 +220,8 @@ async def test_burst_of_200_then_no_leaks(client: shoal.Client) -> None:
     assert all(r.exit_code == 0 for r in results)
     ids = {s.id for s in sbs}
     await asyncio.gather(*(s.close() for s in sbs))
-    assert not [m for m in _mounts_under(home) if "/sandboxes/" in m]
+    # only this test's sandboxes: the session's API server keeps warm fncall pools in the same home
+    assert not [m for m in _mounts_under(home) if "/sandboxes/" in m and any(i in m for i in ids)]
     assert not ids & {c.removeprefix("shoal-") for c in runtime_containers()}
     assert not [i for i in ids if Path(f"/sys/fs/cgroup/memory/shoal/{i}").exists()
                 or Path(f"/sys/fs/cgroup/pids/shoal/{i}").exists()]

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 def pooled(node) -> list:
     from shoal.node.records import list_records
 
-    return [r for r in list_records(node.paths.sandboxes) if POOL_LABEL in r.labels]
+    # this process's pools only: the session's API server (another process) keeps its own warm
+    return [r for r in list_records(node.paths.sandboxes) if POOL_LABEL in r.labels and r.owner_pid == os.getpid()]
 
 
 async def close_leaks(node) -> list[str]:

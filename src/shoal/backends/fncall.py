@@ -235,7 +235,12 @@ class FncallManager:
             from shoal.images.refs import parse_ref
 
             r = parse_ref(image)  # "base" and "base:latest" share one pool
-            return f"{r.name}@{r.digest}" if r.digest else f"{r.name}:{r.tag or 'latest'}"
+            ref = f"{r.name}@{r.digest}" if r.digest else f"{r.name}:{r.tag or 'latest'}"
+            # Checked here, once, so a missing image answers ImageNotFound at once instead of
+            # sending the pool into its start-retry backoff while the call waits.
+            if not await asyncio.to_thread(self.node.store.exists, ref):
+                raise ImageNotFound(f"image {image!r} is not in the store (see `shoal image ls`)")
+            return ref
         image = lang.image
         if image == FNCALL_IMAGE and not self.node.store.exists(image):
             if not self.config.auto_build_image:
