@@ -124,6 +124,14 @@ async def test_quotas_refuse_with_numbers(api_server: ServerProcess, shoal_home:
         with pytest.raises(shoal.QuotaExceeded):
             await shoal.Sandbox(c, sb).fork(3)
         assert len(await c.list()) == 1  # refused forks left nothing behind
+        # run_code's warm pools are node-wide, but a call may not ask for more than the project's quota
+        with pytest.raises(shoal.QuotaExceeded, match="max_memory_mb"):
+            await c.run_code("print(1)", memory_mb=4096)
+        r = httpx.post(f"{api_server.url}/v1/run_code", json={"code": "print(1)", "memory_mb": 4096},
+                       headers={"Authorization": f"Bearer {tok}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "quota_exceeded"
+        ok = await c.run_code("print(1)", memory_mb=128)
+        assert ok.stdout == b"1\n"
 
 
 @contextlib.contextmanager

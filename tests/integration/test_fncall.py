@@ -185,6 +185,22 @@ async def test_memory_limit(fn) -> None:
     assert again.status == "success", again
 
 
+async def test_a_node_that_refuses_new_containers_fails_the_call_instead_of_hanging(node) -> None:
+    """Admission refuses every start (the pool's containers would commit more memory than the node
+    allows): the waiting call gets that error within seconds, even while the pool keeps retrying to
+    refill its min_idle workers."""
+    from shoal.errors import CapacityExceeded
+
+    m = FncallManager(node, FncallConfig(min_idle=4, max_size=8, max_memory_mb=1 << 30))
+    try:
+        huge = int(node.config.memory_overcommit * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                   / 2**20) + 1024
+        with pytest.raises(CapacityExceeded):
+            await asyncio.wait_for(m.run_code("print(1)", memory_mb=huge), 60)
+    finally:
+        await m.close()
+
+
 async def test_bad_input_gets_clear_answers(fn) -> None:
     with pytest.raises(InvalidRequest, match="unknown language 'cobol'"):
         await fn.run_code("DISPLAY 'x'", "cobol")

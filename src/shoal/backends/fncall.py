@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.backends.fncall_languages import ALL_TOOLS, FNCALL_IMAGE, Language, get_language
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
-from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, ShoalError
+from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, QuotaExceeded, ShoalError
 from shoal.models import ExecResult, RunCodeResult, SandboxSpec
 
 if TYPE_CHECKING:
@@ -125,6 +126,26 @@ def _check_path(p: Any, what: str) -> str:
     return p
 
 
+#: The most memory (MiB) and CPUs the current caller may ask of a pool: the API server sets it per
+#: request from the token's quota, so a small project cannot make the node keep huge warm containers.
+#: (project, max_memory_mb, max_cpus); None = no limit (embedded use, admin tokens).
+caller_limits: contextvars.ContextVar[tuple[str, int | None, float | None] | None] = contextvars.ContextVar(
+    "shoal_fncall_caller_limits", default=None)
+
+
+def _check_caller_limits(memory_mb: int, cpus: float) -> None:
+    lim = caller_limits.get()
+    if lim is None:
+        return
+    project, max_mem, max_cpus = lim
+    if max_mem is not None and memory_mb > max_mem:
+        raise QuotaExceeded(f"run_code memory_mb={memory_mb} is over project {project!r}'s quota of {max_mem} MiB "
+                            "(max_memory_mb)", project=project, requested_memory_mb=memory_mb, max_memory_mb=max_mem)
+    if max_cpus is not None and cpus > max_cpus:
+        raise QuotaExceeded(f"run_code cpus={cpus:g} is over project {project!r}'s quota of {max_cpus:g} CPUs "
+                            "(max_cpus)", project=project, requested_cpus=cpus, max_cpus=max_cpus)
+
+
 class FncallManager:
     """All fncall pools of one node. Get it with `get_pool_manager(node)`."""
 
@@ -148,6 +169,7 @@ class FncallManager:
         if self._closed:
             raise BackendUnavailable("the fncall backend of this node was closed")
         c = self.config
+        _check_caller_limits(int(memory_mb or c.default_memory_mb), float(cpus or c.cpus))
         mem = container_memory_mb(int(memory_mb or c.default_memory_mb))
         key = PoolKey(image, mem, float(cpus or c.cpus))
         p = self.pools.get(key)

@@ -386,8 +386,10 @@ class Pool:
             self._fail_streak += 1
             self.stats["start_failures"] += 1
             log.warning("fncall pool %s: %s", self.key, err)
-            # nobody can serve the waiting calls: fail them rather than let them hang
-            if not self.idle and not self.busy and self.starting == 0:
+            # Nobody can serve the waiting calls: fail them rather than let them hang. Other starts
+            # still under way do not count once starts fail in a row (a full node, a broken image):
+            # they fail the same way, and the retries would otherwise keep the calls waiting forever.
+            if not self.idle and not self.busy and (self.starting == 0 or self._fail_streak >= 2):
                 while self.waiters:
                     fut = self.waiters.popleft()
                     if not fut.done():

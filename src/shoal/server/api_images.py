@@ -203,8 +203,8 @@ def jsonable(obj: Any) -> Any:
     return obj
 
 
-@router.post("/run_code", response_model=dict[str, Any], responses=errors(500, 501, 503, 504), tags=["fncall"],
-             summary="Run a code snippet on the fncall backend")
+@router.post("/run_code", response_model=dict[str, Any], responses=errors(403, 404, 500, 501, 503, 504),
+             tags=["fncall"], summary="Run a code snippet on the fncall backend")
 async def run_code(body: RunCodeIn, request: Request, who: Who) -> dict[str, Any]:
     """Run a short snippet in a warm pool (no sandbox to manage); extra fields go to the backend."""
     st = state_of(request)

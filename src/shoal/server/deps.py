@@ -77,6 +77,11 @@ async def authorized(request: Request,
     st = state_of(request)
     header = request.headers.get("authorization")
     who = st.authenticate(header)
+    if not who.admin and not who.quota.is_unlimited():
+        # fncall pools are node-wide: a call may not ask for more than the project's quota allows
+        from shoal.backends.fncall import caller_limits
+
+        caller_limits.set((who.project, who.quota.max_memory_mb, who.quota.max_cpus))
     async with st.limiter.slot(who.token_id):
         yield who
 
