@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ int main(int argc, char **argv) {
 """
 
 _built: dict[str, str | None] = {}
+# A burst of first creates asks from many threads at once: one of them builds, the others wait for it.
+# (Concurrent builds shared one temporary file, and a rename could publish another thread's half-linked,
+# not yet executable output: EACCES at exec.)
+_build_lock = threading.Lock()
 
 
 def helper_binary(cache_dir: Path) -> str | None:
@@ -66,6 +71,14 @@ def helper_binary(cache_dir: Path) -> str | None:
     key = str(path)
     if key in _built:
         return _built[key]
+    with _build_lock:
+        if key in _built:
+            return _built[key]
+        _built[key] = _build(path)
+        return _built[key]
+
+
+def _build(path: Path) -> str | None:
     result: str | None = None
     if path.is_file() and os.access(path, os.X_OK):
         result = str(path)
@@ -73,8 +86,10 @@ def helper_binary(cache_dir: Path) -> str | None:
         cc = shutil.which("gcc") or shutil.which("cc")
         if cc:
             path.parent.mkdir(parents=True, exist_ok=True)
-            src = path.with_suffix(f".{os.getpid()}.c")
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            # unique per process and thread: other node processes on this SHOAL_HOME may build it too
+            tag = f"{os.getpid()}-{threading.get_ident()}"
+            src = path.with_name(f"{path.name}.{tag}.c")
+            tmp = path.with_name(f"{path.name}.{tag}.tmp")
             try:
                 src.write_text(SOURCE)
                 r = subprocess.run([cc, "-O2", "-static", "-s", "-o", str(tmp), str(src)], capture_output=True,
@@ -92,7 +107,6 @@ def helper_binary(cache_dir: Path) -> str | None:
                         p.unlink()
         else:
             log.warning("no C compiler: sandbox overlays are mounted in the host mount namespace")
-    _built[key] = result
     return result
 
 
