@@ -154,8 +154,9 @@ async def test_fork_keeps_running_processes(vclient: shoal.Client) -> None:
     parent = await vclient.create("base", backend="microvm", memory_mb=512)
     r = await parent.exec("sh -c 'sleep 1000 >/dev/null 2>&1 & echo $!'")
     sleeper = r.stdout.strip().decode()
-    r = await parent.exec("sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done "
-                          ">/dev/null 2>&1 & echo $!'")
+    # the counter file is replaced by rename, so a read never catches it truncated
+    r = await parent.exec("sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; "
+                          "mv /tmp/counter.new /tmp/counter; sleep 0.2; done >/dev/null 2>&1 & echo $!'")
     counter = r.stdout.strip().decode()
     await parent.write_file("/root/state.txt", b"before-fork")
     kids = await parent.fork(2)

@@ -32,7 +32,7 @@ from shoal.server.deps import ServerState, authorized, require_admin, state_of
 from shoal.server.limits import BodyGuard, TokenLimiter
 from shoal.server.metrics import Metrics
 from shoal.server.quotas import QuotaTracker
-from shoal.server.responses import errors
+from shoal.server.responses import MALFORMED_HTTP, errors
 from shoal.server.schemas import Health
 from shoal.server.settings import ServerSettings
 from shoal.server.tokens import Principal, TokenStore
@@ -226,7 +226,8 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
 
     app = FastAPI(title="shoal", version=__version__, description=DESCRIPTION, lifespan=lifespan,
                   openapi_url="/openapi.json", docs_url="/docs", redoc_url=None,
-                  generate_unique_id_function=_operation_id, default_response_class=SafeJSONResponse)
+                  generate_unique_id_function=_operation_id, default_response_class=SafeJSONResponse,
+                  responses={400: MALFORMED_HTTP})
     app.state.shoal = state
     _install_handlers(app)
     app.include_router(api_sandboxes.router)

@@ -22,9 +22,16 @@ _WHY = {
 }
 
 
+# Answered by the HTTP server (uvicorn's parser), not by shoal, before any route runs: a request line,
+# URL or header that is not valid HTTP (e.g. a query string whose percent-escapes decode to invalid
+# UTF-8). Its body is uvicorn's plain text, so it is documented as such.
+MALFORMED_HTTP = {"description": "the request is not valid HTTP (rejected by the HTTP server before routing)",
+                   "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` entries for these error statuses (401, 413, 422 and 429 are always possible)."""
-    out: dict[int | str, dict[str, Any]] = {}
+    """OpenAPI `responses` entries for these error statuses (400, 401, 413, 422 and 429 are always possible)."""
+    out: dict[int | str, dict[str, Any]] = {400: MALFORMED_HTTP}
     for c in sorted({401, 408, 413, 422, 429, *codes}):
         out[c] = {"model": ErrorOut, "description": _WHY[c]}
     return out
