@@ -54,22 +54,29 @@ def latency_cdf(path: Path, series: dict[str, Sequence[float]], title: str, xlab
 
 def rate_over_time(path: Path, series: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
                    title: str, what: str = "sandboxes") -> str:
-    """Per-second rate (solid) and cumulative count (dashed) over time, per series of (t, per_s, cumulative)."""
+    """How many are ready over time, per series of (t, per_s, cumulative), with each mean rate in the legend.
+
+    Per-bucket rates are kept in the JSON but not drawn: at sub-second buckets they are spikes that hide
+    the shape; the slope of the cumulative curve is the rate."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-    ax2 = ax.twinx()
-    for i, (label, (t, per_s, cum)) in enumerate(series.items()):
-        c = _color(i, label)
-        ax.plot(t, per_s, color=c, lw=1.2, label=f"{label}: {what}/s")
-        ax2.plot(t, cum, color=c, lw=1.0, ls="--", label=f"{label}: ready so far")
+    ends = []
+    for i, (label, (t, _per_s, cum)) in enumerate(series.items()):
+        if not len(t):
+            continue
+        ends.append(max(t))
+        mean = cum[-1] / max(t) if max(t) > 0 else 0.0
+        ax.plot(t, cum, color=_color(i, label), lw=1.4, label=f"{label}: {cum[-1]:,.0f} in {max(t):.1f} s "
+                                                               f"({mean:,.0f} {what}/s)")
+    if len(ends) > 1 and min(ends) > 0 and max(ends) / min(ends) > 5:
+        # series of very different lengths (shoal's seconds beside Docker's minutes): a log time axis
+        # keeps the short one readable
+        ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlabel("seconds since the burst started")
-    ax.set_ylabel(f"{what} ready per second")
-    ax2.set_ylabel(f"{what} ready (cumulative)")
+    ax.set_ylabel(f"{what} ready so far")
     ax.grid(True, alpha=0.3)
     ax.set_title(title, fontsize=10)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
