@@ -197,3 +197,25 @@ async def test_deep_chain_is_squashed_automatically(client: shoal.Client, names:
     last = await client.create(ref)
     r = await last.exec("cat /root/steps; test -e /root/.bashrc; echo $?")
     assert r.stdout == "".join(f"{i}\n" for i in range(4 - base_depth)).encode() + b"1\n", r
+
+
+async def test_closing_the_parent_untags_its_automatic_fork_snapshots(client: shoal.Client,
+                                                                      names: list[str]) -> None:
+    """fork(n) without a name tags `forks/<parent id>:…`; closing the parent removes those tags (an RL loop
+    forking every step must not grow the store without end) while its children run on, and a snapshot
+    forked under a chosen name stays."""
+    store = ImageStore(Paths.from_env().store)
+    parent = await client.create("base")
+    await parent.exec("echo v1 > /root/state")
+    auto_kids = await parent.fork(2)
+    auto_kids += await parent.fork(1)
+    named_ref = _name(names, "kept")
+    named_kids = await parent.fork(1, name=named_ref)
+    auto = [i.ref for i in store.list_images() if i.name == f"forks/{parent.id}"]
+    assert len(auto) == 2, auto
+    await parent.close()
+    assert [i for i in store.list_images() if i.name == f"forks/{parent.id}"] == []
+    assert store.exists(named_ref), "a snapshot forked under a chosen name stays"
+    for k in auto_kids + named_kids:  # the children keep their files: their layers stay mounted and in use
+        assert (await k.exec("cat /root/state")).stdout == b"v1\n"
+        await k.close()

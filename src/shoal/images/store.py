@@ -436,6 +436,20 @@ class ImageStore:
         with contextlib.suppress(OSError):
             p.parent.rmdir()
 
+    def remove_name(self, name: str) -> int:
+        """Remove every tag of image `name` (layers stay until `gc`); returns how many went. Missing: 0."""
+        d = self.tags_dir / urllib.parse.quote(name, safe="")
+        n = 0
+        with contextlib.suppress(FileNotFoundError):
+            for tag_file in d.iterdir():
+                if not tag_file.name.startswith(".tmp-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        tag_file.unlink()
+                        n += 1
+        with contextlib.suppress(OSError):
+            d.rmdir()
+        return n
+
     def copy_image_from(self, other: ImageStore, ref: str, as_ref: str | None = None, *, link: bool = True) -> Image:
         """Bring image `ref` of another store into this one as `as_ref` (default: the same name:tag).
         Layers are hard-linked when both stores share a filesystem (and `link`), else copied; re-verified."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import time
@@ -75,6 +76,8 @@ def validate_spec(spec: SandboxSpec) -> SandboxSpec:
         raise InvalidRequest(f"hostname {spec.hostname!r} must be 1-63 letters, digits or '-'")
     return spec
 
+
+log = logging.getLogger(__name__)
 
 class Node:
     """One host's sandboxes. Use `async with Node() as node:` or call start()/stop()."""
@@ -327,6 +330,21 @@ class Node:
                 self._committed_mb = max(0, self._committed_mb - int(rec.spec.get("memory_mb", 0)))
         with contextlib.suppress(FileNotFoundError):
             (self.paths.locks / f"sb-{sandbox_id}.lock").unlink()
+        if rec.extra.get("forked"):
+            await asyncio.to_thread(self._drop_fork_snapshots, rec)
+
+    def _drop_fork_snapshots(self, rec: SandboxRecord) -> None:
+        """Untag the snapshots that fork(n) made of this sandbox under their automatic names
+        (`forks/<id>:…`, or a project's `projects/<p>/forks/<id>:…`): an RL loop forking every step would
+        otherwise grow the store without end. Live children keep their layers (gc never removes a
+        layer a sandbox uses); snapshots forked under a name of the caller's choosing stay."""
+        from shoal.node.snapshot import fork_image_prefix
+
+        for name in (fork_image_prefix(rec.id), f"projects/{rec.project}/{fork_image_prefix(rec.id)}"):
+            try:
+                self.store.remove_name(name)
+            except OSError as e:  # a shared store that is briefly unavailable: gc can still do it later
+                log.warning("could not untag the fork snapshots of %s: %s", rec.id, e)
 
     async def close_all(self, project: str | None = None) -> int:
         """Close every sandbox (of one project); returns how many were closed."""

@@ -214,9 +214,14 @@ def _child_spec(rec: SandboxRecord, image_ref: str, overrides: dict[str, Any]) -
     return SandboxSpec(**base)
 
 
+def fork_image_prefix(sandbox_id: str) -> str:
+    """The image name under which fork(n) tags its automatic snapshots of a sandbox."""
+    return f"forks/{sandbox_id}"
+
+
 def fork_image_name(sandbox_id: str) -> str:
     """A fresh image ref for a fork's snapshot: `forks/<sandbox id>:<UTC time>-<random>`."""
-    return f"forks/{sandbox_id}:{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+    return f"{fork_image_prefix(sandbox_id)}:{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = False, name: str | None = None,
@@ -236,6 +241,10 @@ async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = Fa
     if memory:
         return await fork_with_memory(node, rec, n, **overrides)
     _child_spec(rec, "x", overrides)  # reject bad options before the snapshot is made
+    if not rec.extra.get("forked"):
+        # closing this sandbox untags its automatic fork snapshots (Node._drop_fork_snapshots)
+        rec.extra["forked"] = True
+        rec.save()
     snap = await snapshot_sandbox(node, sandbox_id, name or fork_image_name(sandbox_id))
     spec = _child_spec(rec, snap["ref"], overrides)
     return await node.create_many(spec, n)
