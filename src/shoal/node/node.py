@@ -79,6 +79,7 @@ def validate_spec(spec: SandboxSpec) -> SandboxSpec:
 
 log = logging.getLogger(__name__)
 
+
 class Node:
     """One host's sandboxes. Use `async with Node() as node:` or call start()/stop()."""
 
