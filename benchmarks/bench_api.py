@@ -61,19 +61,10 @@ async def _private_home(prefix: str) -> AsyncIterator[Path]:
     try:
         yield home
     finally:
-        from shoal.config import NodeConfig, Paths
-        from shoal.node.disk import UpperPool
-        from shoal.node.node import Node
-        from shoal.node.records import list_records
+        from shoal.config import Paths
+        from shoal.node.teardown import teardown_home
 
-        if list_records(home / "sandboxes"):  # a run that failed half-way
-            node = Node(NodeConfig(paths=Paths.from_env(home)))
-            await node.start(reap=False)
-            try:
-                await node.close_all()
-            finally:
-                await node.stop()
-        UpperPool(Paths.from_env(home)).teardown()
+        await teardown_home(Paths.from_env(home), close_sandboxes=True)  # also what a failed run left
         shutil.rmtree(home, ignore_errors=True)
 
 

@@ -142,23 +142,11 @@ def private_home() -> Iterator[Path]:
         yield home
     finally:
         from shoal.config import Paths
-        from shoal.node.disk import UpperPool
-        from shoal.node.node import Node
         from shoal.node.records import list_records
-
-        async def close_all() -> None:
-            from shoal.config import NodeConfig
-
-            node = Node(NodeConfig(paths=Paths.from_env(home)))
-            await node.start(reap=False)
-            try:
-                await node.close_all()
-            finally:
-                await node.stop()
+        from shoal.node.teardown import teardown_home
 
         left = list_records(home / "sandboxes")
-        asyncio.run(close_all()) if left else None
-        UpperPool(Paths.from_env(home)).teardown()
+        asyncio.run(teardown_home(Paths.from_env(home), close_sandboxes=True))
         with open("/proc/self/mountinfo") as f:
             leaks = [ln.split()[4] for ln in f if ln.split()[4].startswith(str(home))]
         assert not leaks, leaks

@@ -303,46 +303,20 @@ def node_teardown(
 ) -> None:
     """Undo what a node set up in SHOAL_HOME: layer mounts, the upper pool, the sandbox tmpfs (`--purge`: the
     directory too). Refuses while sandboxes exist, unless `--close-sandboxes`."""
-    import shutil
-
     from shoal.config import Paths
     from shoal.errors import ShoalError
-    from shoal.node.disk import UpperPool
-    from shoal.node.node import Node
-    from shoal.node.records import list_records
+    from shoal.node.teardown import purge_home, teardown_home
 
     paths = Paths.from_env()
-
-    async def go() -> int:
-        node = Node()
-        await node.start(reap=False, reconcile=False)
-        try:
-            await node.reconcile()  # dead and expired ones go; live ones are re-adopted
-            left = list_records(paths.sandboxes)
-            if left and not close:
-                err_console.print(f"[red]error:[/red] {len(left)} sandbox(es) still exist in {paths.home} "
-                                  f"(e.g. {left[0].id}); close them, or pass --close-sandboxes")
-                raise typer.Exit(1)
-            n = await node.close_all() if left else 0
-            node.layer_mounts.reconcile(set())  # no user left: every layer mount goes
-            return n
-        finally:
-            await node.stop()
-
-    try:
-        closed = run_async(go)
-        pool_down = UpperPool(paths).teardown()
-    except ShoalError as e:
-        err_console.print(f"[red]error:[/red] {e.message}")
-        raise typer.Exit(1) from None
-    err_console.print(f"closed {closed or 0} sandbox(es); upper pool {'unmounted' if pool_down else 'was not mounted'}")
+    report = run_async(lambda: teardown_home(paths, close_sandboxes=close))
+    err_console.print(f"closed {report.closed} sandbox(es); upper pool "
+                      f"{'unmounted' if report.pool_unmounted else 'was not mounted'}")
     if purge:
-        with open("/proc/self/mountinfo") as f:
-            busy = [mp for mp in (line.split()[4] for line in f) if mp.startswith(f"{paths.home}/")]
-        if busy:
-            err_console.print(f"[red]error:[/red] still mounted under {paths.home}: {busy[:3]}; not deleting it")
-            raise typer.Exit(1)
-        shutil.rmtree(paths.home, ignore_errors=True)
+        try:
+            purge_home(paths)
+        except ShoalError as e:
+            err_console.print(f"[red]error:[/red] {e.message}")
+            raise typer.Exit(1) from None
         err_console.print(f"deleted {paths.home}")
 
 
