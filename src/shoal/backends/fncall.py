@@ -156,6 +156,7 @@ class FncallManager:
         self._maint: asyncio.Task[None] | None = None
         self._closed = False
         self._swept = False
+        self._images_seen: set[str] = set()
         self.counters = {"calls": 0, "errors": 0}
 
     # ---- pools
@@ -258,10 +259,12 @@ class FncallManager:
 
             r = parse_ref(image)  # "base" and "base:latest" share one pool
             ref = f"{r.name}@{r.digest}" if r.digest else f"{r.name}:{r.tag or 'latest'}"
-            # Checked here, once, so a missing image answers ImageNotFound at once instead of
-            # sending the pool into its start-retry backoff while the call waits.
-            if not await asyncio.to_thread(self.node.store.exists, ref):
-                raise ImageNotFound(f"image {image!r} is not in the store (see `shoal image ls`)")
+            # Checked once per image (not per call: this is the hot path), so a missing image answers
+            # ImageNotFound at once instead of sending a new pool into its start-retry backoff.
+            if ref not in self._images_seen:
+                if not await asyncio.to_thread(self.node.store.exists, ref):
+                    raise ImageNotFound(f"image {image!r} is not in the store (see `shoal image ls`)")
+                self._images_seen.add(ref)
             return ref
         image = lang.image
         if image == FNCALL_IMAGE and not self.node.store.exists(image):
