@@ -11,6 +11,7 @@ from shoal.errors import (
     CapacityExceeded,
     FileNotFound,
     Forbidden,
+    GangUnsatisfiable,
     ImageBuildError,
     ImageNotFound,
     InvalidRequest,
@@ -33,7 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
-    "Forbidden", "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "Forbidden", "GangUnsatisfiable",
+    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotImplementedYet", "QuotaExceeded", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxNotFound", "SandboxSpec", "Shell",
     "ShellNotFound", "ShoalError", "Stream", "StreamEvent", "SyncClient", "SyncSandbox", "Timeout",
     "Unauthorized", "__version__",

@@ -81,6 +81,19 @@ class CapacityExceeded(ShoalError):
         self.retry_after_s = retry_after_s
 
 
+class GangUnsatisfiable(CapacityExceeded):
+    """`create_many(n, all_or_nothing=True)` could not reserve all `n` sandboxes; none were created.
+
+    `details["available"]` says how many fit at the time of the request."""
+
+    code = "gang_unsatisfiable"
+
+    def __init__(self, message: str, retry_after_s: float = 2.0, **details: object) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.available = int(details.get("available", 0))  # type: ignore[call-overload]
+        self.requested = int(details.get("requested", 0))  # type: ignore[call-overload]
+
+
 class Timeout(ShoalError, TimeoutError):
     """An operation did not finish within its deadline."""
 
@@ -148,6 +161,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         SandboxFileError,
         QuotaExceeded,
         CapacityExceeded,
+        GangUnsatisfiable,
         Timeout,
         BackendUnavailable,
         SandboxError,
@@ -167,7 +181,7 @@ def error_from_dict(data: dict[str, object]) -> ShoalError:
     msg = str(data.get("message", "unknown error"))
     if not isinstance(details, dict):
         details = {}
-    if cls is CapacityExceeded:
+    if issubclass(cls, CapacityExceeded):
         retry = float(details.pop("retry_after_s", 1.0))  # type: ignore[arg-type]
-        return CapacityExceeded(msg, retry_after_s=retry, **details)
+        return cls(msg, retry_after_s=retry, **details)
     return cls(msg, **details)
