@@ -243,9 +243,9 @@ async def test_openrlhf_agent_instance(client: shoal.Client, rl_tasks: list[SWET
 
 
 def test_skyrl_text_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask], tmp_path: Path) -> None:
-    from shoal.rl.adapters._common import close_bridge
     from shoal.rl.adapters.skyrl import ShoalTextEnv
     from shoal.rl.tasks import dump_jsonl
+    from shoal.sdk.sync import close_shared_client
 
     path = dump_jsonl(rl_tasks, tmp_path / "tasks.jsonl")
     t = rl_tasks[0]
@@ -266,12 +266,12 @@ def test_skyrl_text_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETas
         assert out["done"] is True and out["reward"] == 0.0
         env.close()
     finally:
-        close_bridge()
+        close_shared_client()
 
 
 def test_sync_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
     from shoal.rl import SyncSandboxEnv
-    from shoal.rl.adapters._common import close_bridge
+    from shoal.sdk.sync import close_shared_client
 
     t = rl_tasks[1]
     try:
@@ -280,7 +280,7 @@ def test_sync_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) ->
             _obs, reward, done, _info = env.step({"tool": "submit", "patch": t.patch})
             assert (reward, done) == (1.0, True)
     finally:
-        close_bridge()
+        close_shared_client()
 
 
 def test_cli_demo_and_tasks(shoal_home: Path, base_image: str, rl_tasks: list[SWETask], tmp_path: Path) -> None:
@@ -320,8 +320,8 @@ def test_cli_demo_and_tasks(shoal_home: Path, base_image: str, rl_tasks: list[SW
 def test_trl_environment_factory(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
     import inspect
 
-    from shoal.rl.adapters._common import close_bridge
     from shoal.rl.adapters.trl import ShoalToolEnv, shoal_reward
+    from shoal.sdk.sync import close_shared_client
 
     class Env(ShoalToolEnv):
         tasks = rl_tasks
@@ -339,7 +339,7 @@ def test_trl_environment_factory(shoal_home: Path, base_image: str, rl_tasks: li
         envs[1].bash("ls")  # never submits: graded by the reward function
         assert shoal_reward(envs) == [1.0, 0.0]
     finally:
-        close_bridge()
+        close_shared_client()
 
 
 # ---- Harbor-style tasks ----------------------------------------------------------------------------

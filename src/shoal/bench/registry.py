@@ -38,8 +38,14 @@ def scenario(name: str, title: str, uses_docker: bool = True) -> Callable[[Scena
     return deco
 
 
+#: the modules that define scenarios (imported by name: they import this module to register themselves)
+MODULES = ["create", "density", "disk", "exec_", "external"]
+
+
 def load_all() -> dict[str, Scenario]:
     """Import the scenario modules (each registers itself) and return the registry."""
-    from shoal.bench.scenarios import create, density, disk, exec_, external  # noqa: F401
+    import importlib
 
+    for m in MODULES:
+        importlib.import_module(f"shoal.bench.scenarios.{m}")
     return SCENARIOS

@@ -483,13 +483,13 @@ async def env_pool(tasks: Sequence[Task], *, client: Any | None = None, concurre
 
 class SyncSandboxEnv:
     """The blocking twin of SandboxEnv, for gym-style loops that are not async (a private event loop runs
-    the sandbox work; its client closes at interpreter exit, or with `shoal.rl.adapters._common.close_bridge`)."""
+    the sandbox work; its client closes at interpreter exit, or with `shoal.sdk.sync.close_shared_client`)."""
 
     def __init__(self, task: Task, client: Any | None = None, **env_kw: Any) -> None:
-        from shoal.rl.adapters._common import bridge
+        from shoal.sdk.sync import shared_client
 
-        self._bridge = bridge()
-        self.env = SandboxEnv(task, client or self._bridge.get_client(), **env_kw)
+        self._bridge = shared_client().bridge
+        self.env = SandboxEnv(task, client or shared_client().async_client, **env_kw)
 
     def reset(self) -> str:
         """Start a new episode in a fresh sandbox; returns the task prompt."""

@@ -1,42 +1,25 @@
-"""`SyncClient`: the async Client's exact surface, blocking. One event loop runs in a private thread."""
+"""`SyncClient`: the async Client's exact surface, blocking. Its Client runs on a `Bridge` (an event loop in a
+private thread). `shared_client()` is one process-wide SyncClient for blocking callers that do not own one."""
 
 from __future__ import annotations
 
-import asyncio
+import atexit
+import contextlib
 import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 from shoal.errors import ShoalError
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
+from shoal.sdk.bridge import Bridge
 from shoal.sdk.client import Client
 from shoal.sdk.sandbox import Sandbox, Shell, Stream
-
-T = TypeVar("T")
-
-
-class _Loop:
-    """A daemon thread running an event loop; `run(coro)` blocks until the coroutine finishes."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="shoal-sync", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 class SyncShell:
     """Blocking twin of Shell."""
 
-    def __init__(self, loop: _Loop, shell: Shell) -> None:
+    def __init__(self, loop: Bridge, shell: Shell) -> None:
         self._loop, self._s = loop, shell
         self.id = shell.id
 
@@ -58,7 +41,7 @@ class SyncShell:
 class SyncStream:
     """Blocking twin of Stream: iterate for events."""
 
-    def __init__(self, loop: _Loop, stream: Stream) -> None:
+    def __init__(self, loop: Bridge, stream: Stream) -> None:
         self._loop, self._s = loop, stream
         self._it = stream.__aiter__()
 
@@ -102,7 +85,7 @@ class SyncStream:
 class SyncSandbox:
     """Blocking twin of Sandbox."""
 
-    def __init__(self, loop: _Loop, sb: Sandbox) -> None:
+    def __init__(self, loop: Bridge, sb: Sandbox) -> None:
         self._loop, self._sb = loop, sb
 
     @property
@@ -173,9 +156,19 @@ class SyncClient:
     """Blocking twin of `shoal.Client` (same arguments, same methods)."""
 
     def __init__(self, url: str | None = None, **kw: Any) -> None:
-        self._loop = _Loop()
+        self._loop = Bridge("shoal-sync")
         self._client = Client(url, **kw)
         self._closed = False
+
+    @property
+    def bridge(self) -> Bridge:
+        """The event loop this client's async work runs on (run other coroutines that use it there)."""
+        return self._loop
+
+    @property
+    def async_client(self) -> Client:
+        """The async Client underneath; await its methods only on `bridge` (`bridge.run(coro)`)."""
+        return self._client
 
     def create(self, image: str = "base", **kw: Any) -> SyncSandbox:
         """Create one sandbox."""
@@ -206,15 +199,15 @@ class SyncClient:
         """Run many snippets concurrently on the fncall backend; one result per item."""
         return self._loop.run(self._client.run_code_many(items, **kw))
 
-    def close(self) -> None:
-        """Close owned sandboxes and the transport; stop the loop thread."""
+    def close(self, timeout: float | None = None) -> None:
+        """Close owned sandboxes and the transport (waiting at most `timeout` s); stop the loop thread."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._loop.run(self._client.aclose())
+            self._loop.run(self._client.aclose(), timeout)
         finally:
-            self._loop.stop()
+            self._loop.close()
 
     def __enter__(self) -> SyncClient:
         self._loop.run(self._client.__aenter__())
@@ -222,3 +215,32 @@ class SyncClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_shared: SyncClient | None = None
+_shared_lock = threading.Lock()
+_at_exit = False
+
+
+def shared_client() -> SyncClient:
+    """The process-wide embedded SyncClient (made on first use; its sandboxes are closed at interpreter exit
+    or by `close_shared_client()`). For blocking callers that do not own a client, e.g. the RL adapters."""
+    global _shared, _at_exit
+    with _shared_lock:
+        if _shared is None:
+            _shared = SyncClient()
+            if not _at_exit:
+                atexit.register(close_shared_client)
+                _at_exit = True
+        return _shared
+
+
+def close_shared_client() -> None:
+    """Close the process-wide SyncClient and its sandboxes (safe to call twice; errors are not raised:
+    it runs at interpreter exit)."""
+    global _shared
+    with _shared_lock:
+        c, _shared = _shared, None
+    if c is not None:
+        with contextlib.suppress(Exception):
+            c.close(timeout=120)

@@ -174,9 +174,9 @@ async def stream(ws: WebSocket, sandbox_id: str) -> None:
     except WebSocketDisconnect:
         return
     except ShoalError as e:
-        from shoal.server.app import _blame_request
+        from shoal.server.responses import blame_request
 
-        e = _blame_request(e)
+        e = blame_request(e)
         st.metrics.errors.labels(e.code).inc()
         await _send_error(ws, e)
     except Exception as e:

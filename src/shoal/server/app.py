@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import math
@@ -24,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal import __version__
-from shoal.errors import CapacityExceeded, InvalidRequest, SandboxError, ShoalError
+from shoal.errors import CapacityExceeded, ShoalError
 from shoal.node.node import Node
 from shoal.node.records import list_records
 from shoal.server import api_images, api_sandboxes, api_stream
@@ -32,7 +31,7 @@ from shoal.server.deps import ServerState, authorized, require_admin, state_of
 from shoal.server.limits import BodyGuard, TokenLimiter
 from shoal.server.metrics import Metrics
 from shoal.server.quotas import QuotaTracker
-from shoal.server.responses import MALFORMED_HTTP, errors
+from shoal.server.responses import MALFORMED_HTTP, blame_request, errors
 from shoal.server.schemas import Health
 from shoal.server.settings import ServerSettings
 from shoal.server.tokens import Principal, TokenStore
@@ -65,20 +64,6 @@ def error_response(status: int, err: dict[str, Any], headers: dict[str, str] | N
     return SafeJSONResponse({"error": err}, status_code=status, headers=headers)
 
 
-#: errno values of a failed exec that mean "the command you named cannot run", not "the sandbox failed"
-_USER_SPAWN_ERRNOS = {errno.ENOENT, errno.EACCES, errno.ENOTDIR, errno.ENOEXEC, errno.ELOOP, errno.ENAMETOOLONG,
-                      errno.E2BIG, errno.EISDIR}
-
-
-def _blame_request(exc: ShoalError) -> ShoalError:
-    """A command that does not exist or is not executable is bad input (422), not a server failure (500)."""
-    if isinstance(exc, SandboxError) and exc.details.get("agent_code") == "spawn_failed" \
-            and exc.details.get("errno") in _USER_SPAWN_ERRNOS:
-        return InvalidRequest(f"{exc.message}: check the command (argv[0] must be an executable in the sandbox)",
-                              **exc.details)
-    return exc
-
-
 def _install_handlers(app: FastAPI) -> None:
     def count(request: Request, code: str) -> None:
         with contextlib.suppress(Exception):
@@ -86,7 +71,7 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ShoalError)
     async def on_shoal_error(request: Request, exc: ShoalError) -> JSONResponse:
-        exc = _blame_request(exc)
+        exc = blame_request(exc)
         count(request, exc.code)
         headers = {}
         if isinstance(exc, CapacityExceeded):

@@ -1,9 +1,12 @@
-"""The error responses every route may answer, for `/openapi.json` (one schema: `ErrorOut`)."""
+"""The error responses every route may answer, for `/openapi.json` (one schema: `ErrorOut`), and which errors
+are the request's fault."""
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
+from shoal.errors import InvalidRequest, SandboxError, ShoalError
 from shoal.server.schemas import ErrorOut
 
 _WHY = {
@@ -38,3 +41,17 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 SANDBOX_ERRORS = errors(404, 409, 500, 503, 504)
+
+
+#: errno values of a failed exec that mean "the command you named cannot run", not "the sandbox failed"
+_USER_SPAWN_ERRNOS = {errno.ENOENT, errno.EACCES, errno.ENOTDIR, errno.ENOEXEC, errno.ELOOP, errno.ENAMETOOLONG,
+                      errno.E2BIG, errno.EISDIR}
+
+
+def blame_request(exc: ShoalError) -> ShoalError:
+    """A command that does not exist or is not executable is bad input (422), not a server failure (500)."""
+    if isinstance(exc, SandboxError) and exc.details.get("agent_code") == "spawn_failed" \
+            and exc.details.get("errno") in _USER_SPAWN_ERRNOS:
+        return InvalidRequest(f"{exc.message}: check the command (argv[0] must be an executable in the sandbox)",
+                              **exc.details)
+    return exc

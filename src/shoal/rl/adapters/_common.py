@@ -1,23 +1,20 @@
-"""Plumbing shared by the adapters: one shoal client per event loop, a blocking bridge for synchronous
-trainer APIs, task lookup by id, and turning an LLM's action text into a shoal action."""
+"""Plumbing shared by the adapters: one shoal client per event loop, task lookup by id, and turning an LLM's
+action text into a shoal action. (Synchronous trainer APIs use `shoal.sdk.sync.shared_client()`.)"""
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import json
 import os
 import re
 import threading
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from shoal.errors import InvalidRequest
 from shoal.rl.env import Action, normalize_action
 from shoal.rl.tasks import HarborTask, SWETask, Task, load_tasks, task_from_dict
 
-T = TypeVar("T")
 #: where adapters find tasks by id when the trainer passes only an id (or set `tasks=` explicitly)
 TASKS_ENV = "SHOAL_RL_TASKS"
 
@@ -36,61 +33,6 @@ def loop_client() -> Any:
         c = Client()
         _clients[id(loop)] = c
     return c
-
-
-class Bridge:
-    """A private event loop in a daemon thread, for trainer APIs that call environments synchronously."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="shoal-rl-bridge", daemon=True)
-        self._thread.start()
-        self.client: Any = None
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run `coro` on the bridge's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def get_client(self) -> Any:
-        """The bridge's shoal client (created on its loop on first use)."""
-        if self.client is None:
-            from shoal.sdk.client import Client
-
-            self.client = Client()
-        return self.client
-
-    def close(self) -> None:
-        """Close the client (and every sandbox it still has), then stop the loop."""
-        if self.client is not None:
-            try:
-                self.run(self.client.aclose(), timeout=120)
-            except Exception:
-                pass
-            self.client = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-
-
-_bridge: Bridge | None = None
-
-
-def bridge() -> Bridge:
-    """The process-wide bridge (closed at interpreter exit)."""
-    global _bridge
-    with _lock:
-        if _bridge is None:
-            _bridge = Bridge()
-            atexit.register(close_bridge)
-        return _bridge
-
-
-def close_bridge() -> None:
-    """Close the process-wide bridge and its sandboxes (safe to call twice)."""
-    global _bridge
-    with _lock:
-        b, _bridge = _bridge, None
-    if b is not None:
-        b.close()
 
 
 def resolve_task(task: Any = None, task_id: str | None = None, tasks: str | Path | list[Task] | None = None) -> Task:

@@ -4,8 +4,8 @@
 SkyRL constructs the env with `(env_config, extras)` — `extras` carries the dataset row's fields — then
 calls `init(prompt)` → `(prompt, metadata)`, `step(action_text)` → a dict with `observations` (a list of
 chat messages), `reward`, `done`, `metadata`, and finally `close()`. All three are synchronous, so the
-sandbox work runs on a private event loop (`shoal.rl.adapters._common.bridge`). The task is
-`extras["task"]` (a task dict), or the id in `extras["instance_id"]` / `extras["extra_info"]["instance_id"]`
+sandbox work runs on a private event loop (the `shoal.sdk.bridge.Bridge` of `shoal.sdk.sync.shared_client()`).
+The task is `extras["task"]` (a task dict), or the id in `extras["instance_id"]` / `extras["extra_info"]["instance_id"]`
 looked up in `env_config["tasks"]` or $SHOAL_RL_TASKS.
 
 Registered with SkyRL-gym like any text env:
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.rl.adapters._common import NO_ACTION, bridge, parse_action_text, resolve_task
+from shoal.rl.adapters._common import NO_ACTION, parse_action_text, resolve_task
 from shoal.rl.env import SandboxEnv
+from shoal.sdk.sync import shared_client
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -39,9 +40,9 @@ class ShoalTextEnv:
         self.task = resolve_task(extras.get("task"), extras.get("instance_id") or info.get("instance_id"),
                                  _get(env_config, "tasks"))
         self.max_turns = int(_get(env_config, "max_turns", 30))
-        self._bridge = bridge()
-        # the bridge's client is shared by every env of the process and closed at exit, not by close()
-        client = _get(env_config, "client") or self._bridge.get_client()
+        self._bridge = shared_client().bridge
+        # the shared client serves every env of the process and is closed at exit, not by close()
+        client = _get(env_config, "client") or shared_client().async_client
         self.env = SandboxEnv(self.task, client, max_steps=self.max_turns,
                               step_timeout=float(_get(env_config, "step_timeout", 120)))
         self.turns = 0

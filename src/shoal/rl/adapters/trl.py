@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.rl.adapters._common import bridge, resolve_task
+from shoal.rl.adapters._common import resolve_task
 from shoal.rl.env import SandboxEnv
+from shoal.sdk.sync import shared_client
 
 
 class ShoalToolEnv:
@@ -28,7 +29,7 @@ class ShoalToolEnv:
     max_steps: int = 50
 
     def __init__(self) -> None:
-        self._bridge = bridge()
+        self._bridge = shared_client().bridge
         self._env: SandboxEnv | None = None
         self.reward: float = 0.0
         self.outcome: str = ""
@@ -37,7 +38,7 @@ class ShoalToolEnv:
         """Start a sandbox for the row's task (`instance_id`/`task_id`, or `task` as a dict); returns the prompt."""
         self._close()
         task = resolve_task(kwargs.get("task"), kwargs.get("instance_id") or kwargs.get("task_id"), self.tasks)
-        client = self.client or self._bridge.get_client()
+        client = self.client or shared_client().async_client
         self._env = SandboxEnv(task, client, max_steps=self.max_steps)
         self.reward, self.outcome = 0.0, ""
         return self._bridge.run(self._env.reset())
