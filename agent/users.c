@@ -152,8 +152,14 @@ int user_lookup(const char *spec, struct user_info *u)
 	} else {
 		if (colon || ulen == 0)
 			return -1;
-		if (find_passwd(spec, 0, u) < 0)
-			return -1;
+		if (find_passwd(spec, 0, u) < 0) {
+			/* Images without /etc/passwd (scratch, distroless) still run as root, as under
+			 * Docker: "root" is uid 0 whatever the files say (HOME stays the process's). */
+			if (strcmp(spec, "root") != 0)
+				return -1;
+			u->uid = 0;
+			u->gid = 0;
+		}
 	}
 	add_group(u, u->gid);
 	if (u->have_pw)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shoal.backends.base import Backend
+from shoal.backends.guestfs import GuestFiles
 from shoal.backends.oci import build_config, render_config
 from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.config import Paths
@@ -41,6 +42,36 @@ _OVERLAY_OPTS = "redirect_dir=off,index=off,metacopy=off,volatile"
 _SUN_PATH_MAX = 107
 
 
+_OVL_LINKS = "o"
+
+
+def _overlay_links(d: Path, lowers: list[Path], upper: Path, work: Path) -> Path:
+    """`d/o/{0,1,..,u,w}`: symlinks to the lower layers (bottom first), the upper and the work dir."""
+    links = d / _OVL_LINKS
+    links.mkdir(exist_ok=True)
+    for i, p in enumerate(lowers):
+        os.symlink(p, links / str(i))
+    os.symlink(upper, links / "u")
+    os.symlink(work, links / "w")
+    return links
+
+
+def _overlay_opts(base: str, n_lowers: int) -> str:
+    """Overlay mount options naming the directories through the links under `base` (see _overlay_links)."""
+    # overlay wants the topmost lower first
+    lowerdir = ":".join(f"{base}/{i}" for i in reversed(range(n_lowers)))
+    return f"lowerdir={lowerdir},upperdir={base}/u,workdir={base}/w,{_OVERLAY_OPTS}"
+
+
+def _drop_overlay_links(links: Path) -> None:
+    # the mounted overlay holds its directories; the names were only needed to mount it
+    with contextlib.suppress(OSError), os.scandir(links) as it:
+        for e in it:
+            os.unlink(e.path)
+    with contextlib.suppress(OSError):
+        links.rmdir()
+
+
 class ContainerBackend(Backend):
     """OCI containers with the shoal agent as PID 1."""
 
@@ -63,7 +94,8 @@ class ContainerBackend(Backend):
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
         self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
-        self._empty: str | None = None
+        #: the agent and the masking files, on a tmpfs of their own (see shoal.backends.guestfs)
+        self.guestfs = GuestFiles(paths, guest_dir / "shoal-agent")
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -79,14 +111,6 @@ class ContainerBackend(Backend):
     def rootfs(self, rec: SandboxRecord) -> Path:
         """The merged overlay (the sandbox's / as the host sees it)."""
         return rec.path / "rootfs"
-
-    def _empty_dir(self) -> str:
-        # an empty read-only directory: bound over masked directories (see oci.build_config)
-        d = self.paths.home / "empty"
-        if self._empty is None or not os.path.isdir(self._empty):
-            d.mkdir(mode=0o555, exist_ok=True)
-            self._empty = str(d)
-        return self._empty
 
     async def _mntns_helper(self) -> str | None:
         if self._helper is False:
@@ -129,15 +153,21 @@ class ContainerBackend(Backend):
             rec.extra["upper"] = str(upper)
             rec.extra["projid"] = projid
             lowers = self.layer_mounts.acquire(image.layers, rec.id)
-            # overlay wants the topmost lower first
-            lowerdir = ":".join(str(p) for p in reversed(lowers))
-            opts = f"lowerdir={lowerdir},upperdir={upper},workdir={work},{_OVERLAY_OPTS}"
             helper = await self._mntns_helper() if rt.name in ("crun", "runc") else None
+            # the sandbox can read the overlay's options in /proc/self/mountinfo: name its directories
+            # through short symlinks in the sandbox directory, resolved relative to it (the helper) or
+            # through a /proc/self/fd path (mounted here), never by their host paths
+            links = _overlay_links(d, lowers, upper, work)
             if helper:
                 # mounted by the runtime's wrapper in a mount namespace of its own (see shoal.host.mntns)
-                overlay = (helper, str(rootfs), opts)
+                overlay = (helper, str(rootfs), _overlay_opts(_OVL_LINKS, len(lowers)))
             else:
-                syscalls.mount("overlay", str(rootfs), "overlay", 0, opts)
+                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    syscalls.mount("overlay", str(rootfs), "overlay", 0,
+                                   _overlay_opts(f"/proc/self/fd/{dfd}/{_OVL_LINKS}", len(lowers)))
+                finally:
+                    os.close(dfd)
             netns = None
             resolv = None
             if spec.network:
@@ -154,12 +184,16 @@ class ContainerBackend(Backend):
             env = dict(image.config.env)
             env.update(spec.env)
             env.setdefault("HOSTNAME", spec.hostname or "sandbox")
+            swap_mb = self._swap_mb(spec.memory_mb)
+            gf = self.guestfs
+            gf.ensure()
             cfg = build_config(
-                rootfs=str(rootfs), guest_dir=str(self.guest_dir), hostname=spec.hostname or "sandbox",
+                rootfs=str(rootfs), guest_dir=str(gf.agent_dir), hostname=spec.hostname or "sandbox",
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
-                pids=spec.pids, netns_path=netns, resolv_conf=resolv,
-                swap_mb=self._swap_mb(spec.memory_mb),
-                empty_dir=self._empty_dir(),
+                pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
+                empty_dir=str(gf.empty_dir), empty_file=str(gf.empty_file),
+                proc_files={"/proc/cmdline": str(gf.cmdline),
+                            "/proc/meminfo": str(gf.meminfo(spec.memory_mb, swap_mb))},
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()
@@ -167,6 +201,7 @@ class ContainerBackend(Backend):
             if r.returncode != 0:
                 msg = (r.stderr or r.stdout).decode(errors="replace").strip()
                 raise SandboxError(f"{rt.name} could not start the sandbox: {msg[-1500:]}")
+            _drop_overlay_links(links)
             pid = int((d / "init.pid").read_text().strip())
             rec.init_pid = pid
             rec.init_start = proc_starttime(pid) or 0

@@ -22,7 +22,12 @@ MASKED_PATHS = [
     "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup",
     "/proc/kpageflags", "/proc/kpagecount", "/proc/kmsg", "/proc/config.gz", "/sys/firmware",
     "/sys/devices/virtual/powercap", "/proc/interrupts",
+    # the host's block devices, partitions and swap devices (names, sizes, I/O counters)
+    "/proc/partitions", "/proc/diskstats", "/proc/swaps", "/sys/block", "/sys/class/block", "/sys/dev/block",
 ]
+# /proc files replaced by the node's own (shoal.backends.guestfs): the host kernel's command line, and a
+# meminfo that reports the sandbox's memory limit instead of the host's RAM
+VIRTUAL_PROC_FILES = ("/proc/cmdline", "/proc/meminfo")
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 AGENT_DIR_IN_SANDBOX = "/.shoal"
@@ -56,6 +61,11 @@ def _masked_dirs() -> list[str]:
     return [p for p in MASKED_PATHS if os.path.isdir(p) and not os.path.islink(p)]
 
 
+@functools.cache
+def _masked_files() -> list[str]:
+    return [p for p in MASKED_PATHS if os.path.isfile(p) and not os.path.islink(p)]
+
+
 _SECCOMP_MARK = "@@shoal-seccomp@@"
 
 
@@ -81,8 +91,12 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  netns_path: str | None = None, resolv_conf: str | None = None,
                  agent_args: list[str] | None = None, seccomp: bool = True,
                  swap_mb: int | None = None, mntns_path: str | None = None,
-                 empty_dir: str | None = None) -> dict[str, Any]:
-    """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3."""
+                 empty_dir: str | None = None, empty_file: str | None = None,
+                 proc_files: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3.
+
+    `empty_dir`/`empty_file` mask paths by a read-only bind instead of the runtime's own masks (a tmpfs
+    per directory, /dev/null per file); `proc_files` binds files over /proc entries (VIRTUAL_PROC_FILES)."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
     resources: dict[str, Any] = {
@@ -132,6 +146,15 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         mounts += [{"destination": p, "type": "bind", "source": empty_dir,
                     "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]} for p in dirs]
         masked = [p for p in MASKED_PATHS if p not in dirs]
+    if empty_file:
+        # (the runtime binds the host's /dev/null, whose devtmpfs mount options show the host's RAM)
+        files = [p for p in masked if p in _masked_files()]
+        mounts += [{"destination": p, "type": "bind", "source": empty_file,
+                    "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for p in files]
+        masked = [p for p in masked if p not in files]
+    for dst, src in (proc_files or {}).items():
+        mounts.append({"destination": dst, "type": "bind", "source": src,
+                       "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
     process: dict[str, Any] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},

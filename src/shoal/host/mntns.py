@@ -30,10 +30,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = r"""
 /* shoal-mntns TARGET OPTIONS PROGRAM ARGV0 [ARGS...]: in a new private mount namespace, mount an overlay
- * with OPTIONS on TARGET, then exec PROGRAM (the OCI runtime), whose container namespace copies this one. */
+ * with OPTIONS on TARGET, then exec PROGRAM (the OCI runtime), whose container namespace copies this one.
+ * Relative paths in OPTIONS are resolved from TARGET's parent directory: the sandbox reads the option
+ * string back in /proc/self/mountinfo, and relative names there say nothing about the host. */
 #define _GNU_SOURCE
+#include <fcntl.h>
+#include <libgen.h>
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <errno.h>
 #include <unistd.h>
@@ -45,8 +50,13 @@ int main(int argc, char **argv) {
     if (unshare(CLONE_NEWNS) != 0) { fprintf(stderr, "unshare: %s\n", strerror(errno)); return 1; }
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) {
         fprintf(stderr, "make / private: %s\n", strerror(errno)); return 1; }
+    int here = open(".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    char *t = strdup(argv[1]);
+    if (!t || chdir(dirname(t)) != 0) {
+        fprintf(stderr, "chdir to %s's parent: %s\n", argv[1], strerror(errno)); return 1; }
     if (mount("overlay", argv[1], "overlay", 0, argv[2]) != 0) {
         fprintf(stderr, "mount overlay on %s: %s\n", argv[1], strerror(errno)); return 1; }
+    if (here < 0 || fchdir(here) != 0) { if (chdir("/") != 0) return 1; }
     /* the runtime and the sandbox run at the default priority, whatever the node agent's own */
     setpriority(PRIO_PROCESS, 0, 0);
     execv(argv[3], argv + 4);
@@ -54,7 +64,6 @@ int main(int argc, char **argv) {
     return 127;
 }
 """
-
 _built: dict[str, str | None] = {}
 # A burst of first creates asks from many threads at once: one of them builds, the others wait for it.
 # (Concurrent builds shared one temporary file, and a rename could publish another thread's half-linked,

@@ -232,10 +232,13 @@ class UpperPool:
     def teardown(self) -> bool:
         """Unmount the pool when no sandbox uses it (tests, `shoal node teardown`). True if unmounted.
         The tmpfs of sandbox directories (shoal.node.volatile) goes too when empty."""
+        from shoal.backends.guestfs import GuestFiles
         from shoal.node.volatile import VolatileDirs
 
         with contextlib.suppress(OSError):
             VolatileDirs(self.paths).teardown()
+        with contextlib.suppress(OSError):
+            GuestFiles(self.paths, Path()).teardown()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
