@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 IS_ROOT = os.geteuid() == 0
+# hermetic: a host's /etc/shoal/config.toml must not change what the tests see (set SHOAL_CONFIG to test one)
+os.environ.setdefault("SHOAL_CONFIG", "/dev/null")
 REPO = Path(__file__).resolve().parents[1]
 AGENT_BIN = REPO / "build" / "shoal-agent"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shoal.config import settings
 from shoal.errors import BackendUnavailable
 
 _REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "shoal-agent"
@@ -12,7 +13,8 @@ _REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "shoal-agent"
 
 def find_agent_binary() -> Path:
     """SHOAL_AGENT_BIN, the repo's build/shoal-agent, or /usr/local/lib/shoal/shoal-agent."""
-    candidates = [os.environ.get("SHOAL_AGENT_BIN"), str(_REPO_BUILD), "/usr/local/lib/shoal/shoal-agent"]
+    given = settings().agent_bin
+    candidates = [str(given) if given else None, str(_REPO_BUILD), "/usr/local/lib/shoal/shoal-agent"]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return Path(c)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.backends.base import Backend
 from shoal.backends.qemu import console_tail, kill_and_wait
+from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
@@ -47,13 +48,14 @@ GUEST_CID = 3
 
 def firecracker_binary() -> str | None:
     """SHOAL_FIRECRACKER or `firecracker` on PATH."""
-    p = os.environ.get("SHOAL_FIRECRACKER") or shutil.which("firecracker")
+    given = settings().firecracker
+    p = str(given) if given else shutil.which("firecracker")
     return p if p and os.access(p, os.X_OK) else None
 
 
 def firecracker_usable() -> tuple[bool, str]:
     """(usable, why): a binary on PATH, KVM working, and SHOAL_VMM not forcing QEMU."""
-    if os.environ.get("SHOAL_VMM", "").lower() == "qemu":
+    if settings().vmm == "qemu":
         return False, "SHOAL_VMM=qemu: microVMs use QEMU"
     binary = firecracker_binary()
     if not binary:
@@ -103,7 +105,7 @@ class FirecrackerBackend(Backend):
     async def create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
         """Configure a Firecracker microVM through its API, start it and wait for the agent."""
         from shoal.backends import vm_images
-        from shoal.backends.vm import MIN_VM_MEMORY_MB, _env_float
+        from shoal.backends.vm import MIN_VM_MEMORY_MB
         from shoal.host.spawn import run
 
         if not self.binary:
@@ -165,7 +167,7 @@ class FirecrackerBackend(Backend):
             await api.call("PUT", "/balloon", {"amount_mib": 0, "deflate_on_oom": True,
                                                "stats_polling_interval_s": 0})
             await api.call("PUT", "/actions", {"action_type": "InstanceStart"})
-            timeout = _env_float("SHOAL_VM_BOOT_TIMEOUT", 30.0)
+            timeout = settings().vm_boot_timeout or 30.0
             deadline = time.monotonic() + timeout
             while True:
                 try:

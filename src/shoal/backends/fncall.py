@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.backends.fncall_languages import ALL_TOOLS, FNCALL_IMAGE, Language, get_language
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
+from shoal.config import settings
 from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, QuotaExceeded, ShoalError
 from shoal.models import ExecResult, RunCodeResult, SandboxSpec
 
@@ -45,22 +46,13 @@ _HOST_GRACE_S = 30.0
 _MEMORY_OVERHEAD_MB = 128
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def _default_max_size() -> int:
-    return _env_int("SHOAL_FNCALL_MAX_SIZE", max(4, 4 * (os.cpu_count() or 1)))
+    return settings().fncall_max_size or max(4, 4 * (os.cpu_count() or 1))
 
 
 def _default_preload() -> tuple[str, ...]:
-    env = os.environ.get("SHOAL_FNCALL_PRELOAD")
-    if env is None:
-        return DEFAULT_PRELOAD
-    return tuple(m.strip() for m in env.split(",") if m.strip())
+    given = settings().fncall_preload
+    return DEFAULT_PRELOAD if given is None else given
 
 
 @dataclass
@@ -68,7 +60,7 @@ class FncallConfig:
     """Knobs of the fncall backend (the SHOAL_FNCALL_* environment variables set the main ones)."""
 
     #: ready workers kept per pool while it is in use (SHOAL_FNCALL_MIN_IDLE)
-    min_idle: int = field(default_factory=lambda: _env_int("SHOAL_FNCALL_MIN_IDLE", 2))
+    min_idle: int = field(default_factory=lambda: settings().fncall_min_idle)
     #: most containers per pool (SHOAL_FNCALL_MAX_SIZE; default 4 per core, at least 4)
     max_size: int = field(default_factory=_default_max_size)
     #: an idle worker beyond min_idle is retired after this long

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.config import settings
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
 from shoal.node.records import proc_starttime
 
@@ -38,7 +39,8 @@ _SUN_PATH_MAX = 107
 
 def find_qemu() -> str:
     """The QEMU binary (SHOAL_QEMU or qemu-system-x86_64 on PATH); BackendUnavailable when missing."""
-    q = os.environ.get("SHOAL_QEMU") or shutil.which(QEMU_BIN)
+    given = settings().qemu
+    q = str(given) if given else shutil.which(QEMU_BIN)
     if not q or not os.access(q, os.X_OK):
         raise BackendUnavailable(
             "QEMU is not installed, so the microvm and vm backends cannot run: apt-get install qemu-system-x86 "
@@ -134,7 +136,7 @@ def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False)
         "-device", dev("virtio-serial"), "-device", "virtserialport,chardev=agent,name=shoal.agent",
         "-qmp", f"unix:{f['qmp']},server=on,wait=off",
     ]
-    if os.environ.get("SHOAL_VM_SECCOMP", "1") != "0":
+    if settings().vm_seccomp:
         # QEMU runs as root and parses what the guest does: confine it with its seccomp filter (no exec,
         # no setuid, no scheduler/affinity changes, no obsolete syscalls). Migration therefore goes to a
         # file descriptor we pass in (migrate_fd), never to an `exec:` command.

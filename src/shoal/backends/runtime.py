@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shoal.config import Paths
+from shoal.config import Paths, settings
 from shoal.errors import BackendUnavailable, SandboxError
 from shoal.host import cgroups
 from shoal.host.spawn import Completed, run, run_sync
@@ -56,7 +56,7 @@ def _named_link(target: str, name: str) -> str:
 
 def sealed_executable(binary: str) -> str:
     """Path of a sealed in-memory copy of `binary` (/proc/<pid>/fd/N), or `binary` when that cannot work."""
-    if os.environ.get("SHOAL_SEALED_RUNTIME", "1") == "0":
+    if not settings().sealed_runtime:
         return binary
     key = (os.getpid(), os.path.realpath(binary))
     path = _sealed.get(key)

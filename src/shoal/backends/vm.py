@@ -45,6 +45,7 @@ from shoal.backends.qemu import (
     qmp,
     sandbox_files,
 )
+from shoal.config import settings
 from shoal.errors import (
     BackendUnavailable,
     InvalidRequest,
@@ -67,16 +68,9 @@ MICROVM_MMIO_SLOTS = 8
 _SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
-
-
 def _extra_cmdline() -> str:
     """SHOAL_VM_EXTRA_CMDLINE: arguments appended to the guest kernel's command line (debugging, tests)."""
-    extra = os.environ.get("SHOAL_VM_EXTRA_CMDLINE", "").strip()
+    extra = settings().vm_extra_cmdline.strip()
     return f" {extra}" if extra else ""
 
 
@@ -207,7 +201,7 @@ class QemuVmBackend(Backend):
         """How long a boot may take before create fails (SHOAL_VM_BOOT_TIMEOUT overrides)."""
         kvm = self.accel() == "kvm"
         default = (30.0 if kvm else 90.0) if self.machine == "microvm" else (90.0 if kvm else 300.0)
-        return _env_float("SHOAL_VM_BOOT_TIMEOUT", default)
+        return settings().vm_boot_timeout or default
 
     def _agent(self) -> Path:
         p = self.node.guest_dir / "shoal-agent"
@@ -274,8 +268,9 @@ class QemuVmBackend(Backend):
 
         d = rec.path
         cpus = max(1, min(64, math.ceil(float(spec.cpus))))
-        tb = int(_env_float("SHOAL_VM_TCG_TB_MB", 128)) if accel == "tcg" else 0
-        quiet = "" if os.environ.get("SHOAL_VM_VERBOSE") else " quiet loglevel=3"
+        st = settings()
+        tb = st.vm_tcg_tb_mb if accel == "tcg" else 0
+        quiet = "" if st.vm_verbose else " quiet loglevel=3"
         if self.machine == "microvm":
             guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent())
             await asyncio.to_thread(vm_images.make_upper_disk, d / "upper.img", spec.disk_mb)
@@ -287,7 +282,7 @@ class QemuVmBackend(Backend):
                        f"shoal.layers={len(image.layers)} shoal.upper=disk shoal.hostname={hostname}")
             if spec.network:
                 cmdline += " shoal.net=1"
-            if os.environ.get("SHOAL_VM_VERBOSE"):
+            if st.vm_verbose:
                 cmdline += " shoal.debug=1"
             if accel == "tcg" and (khz := host_tsc_khz()):
                 # microvm has no PIT calibration path: tell the kernel the TSC rate (TCG passes the host's)
@@ -363,12 +358,12 @@ class QemuVmBackend(Backend):
                     used_mb = (info["MemTotal"] - info["MemAvailable"]) >> 10
                     target = used_mb + 32
             if target is None:
-                target = int(_env_float("SHOAL_VM_PAUSE_BALLOON_MB", cfg.memory_mb // 8))
+                target = settings().vm_pause_balloon_mb or cfg.memory_mb // 8
             target = min(max(64, target), cfg.memory_mb)
         async with qmp(rec.path) as q:
             if target is not None and target < cfg.memory_mb:
                 with contextlib.suppress(ShoalError):
-                    await self._balloon_to(q, target, timeout=_env_float("SHOAL_VM_BALLOON_WAIT_S", 2.0))
+                    await self._balloon_to(q, target, timeout=settings().vm_balloon_wait_s)
             await q.execute("stop")
 
     @staticmethod
@@ -463,7 +458,7 @@ async def _save(rec: SandboxRecord, dest: Path) -> dict[str, Any]:
             await q.execute("stop")
     try:
         await asyncio.to_thread(migrate_fd, rec.path, mem, incoming=False,
-                                timeout=_env_float("SHOAL_VM_SNAPSHOT_TIMEOUT", 600))
+                                timeout=settings().vm_snapshot_timeout)
         # the vCPUs are stopped and QEMU flushed the disks: their files match the saved memory
         for drv in cfg.drives:
             if not drv.readonly:
@@ -578,7 +573,7 @@ async def _restore_one(node: Node, snap: Path, meta: dict[str, Any]) -> SandboxI
         rec.init_pid, rec.init_start = pid, start
         rec.save()
         await asyncio.to_thread(migrate_fd, d, snap / "memory.bin", incoming=True,
-                                timeout=_env_float("SHOAL_VM_SNAPSHOT_TIMEOUT", 600))
+                                timeout=settings().vm_snapshot_timeout)
         async with qmp(d) as q:
             await q.execute("cont")
             if cfg.balloon:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.config import Paths
+from shoal.config import Paths, settings
 from shoal.errors import BackendUnavailable, ImageBuildError, InvalidRequest
 from shoal.fsutil import sha256_file
 
@@ -49,7 +49,7 @@ _REPO = Path(__file__).resolve().parents[3]
 
 def guest_src_dir() -> Path:
     """The guest build inputs: SHOAL_GUEST_SRC or the repository's guest/ directory."""
-    d = Path(os.environ.get("SHOAL_GUEST_SRC") or (_REPO / "guest"))
+    d = settings().guest_src or (_REPO / "guest")
     if not (d / "init").is_file():
         raise BackendUnavailable(f"the VM guest sources are missing ({d}/init): run shoal from its repository "
                                  "or set SHOAL_GUEST_SRC to its guest/ directory")
@@ -96,7 +96,7 @@ def _version_key(v: str) -> tuple:
 
 def find_host_kernel() -> HostKernel:
     """SHOAL_VM_KERNEL_VERSION or the newest /boot/vmlinuz-* that has /lib/modules/<version>/modules.dep."""
-    want = os.environ.get("SHOAL_VM_KERNEL_VERSION")
+    want = settings().vm_kernel_version
     found = []
     for p in Path("/boot").glob("vmlinuz-*"):
         ver = p.name[len("vmlinuz-"):]
@@ -255,7 +255,7 @@ class GuestArtifacts:
 
 
 def _busybox() -> Path:
-    for p in (os.environ.get("SHOAL_BUSYBOX"), "/bin/busybox", "/usr/bin/busybox"):
+    for p in (settings().busybox, "/bin/busybox", "/usr/bin/busybox"):
         if p and Path(p).is_file():
             return Path(p)
     raise BackendUnavailable("busybox is missing: apt-get install busybox-static")

@@ -24,6 +24,7 @@ from shoal.bench import host
 from shoal.bench.context import BenchContext, Sizes, make_progress
 from shoal.bench.registry import DEFAULT_ORDER, load_all
 from shoal.bench.results import ScenarioResult
+from shoal.config import settings
 from shoal.host.spawn import run_sync
 
 DOCKER_IMPORT_USER = "bench-docker-import"
@@ -161,7 +162,8 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     own_home = home is None
     home = Path(home or f"/tmp/shoal-bench-{os.getpid()}")
     home.mkdir(parents=True, exist_ok=True)
-    paths = Paths.from_env(home, os.environ.get("SHOAL_STORE") or "/var/lib/shoal/store")
+    st = settings()
+    paths = Paths.from_env(home, st.store if st.is_set("store") else "/var/lib/shoal/store")
     # other scenarios start servers and nodes of their own: they use the same store
     os.environ.setdefault("SHOAL_STORE", str(paths.store))
     cfg = NodeConfig(paths=paths, memory_overcommit=1000.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -20,11 +19,13 @@ T = TypeVar("T")
 
 def make_client(url: str | None = None, keep: bool = True) -> Any:
     """A Client for one CLI command: remote when --url/SHOAL_URL is set, else embedded (no reaper)."""
+    from shoal.config import settings
     from shoal.sdk.client import Client
 
-    url = url or os.environ.get("SHOAL_URL")
+    s = settings()
+    url = url or s.url
     if url:
-        return Client(url, token=os.environ.get("SHOAL_TOKEN"), keep=keep)
+        return Client(url, token=s.token, keep=keep)
     from shoal.sdk.local import LocalTransport
 
     return Client(transport=LocalTransport(reap=False), keep=keep)

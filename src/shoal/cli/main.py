@@ -240,6 +240,29 @@ from shoal.cli.vm import vm_app  # noqa: E402 - the `vm` sub-commands live there
 
 app.add_typer(vm_app, name="vm")
 
+from shoal.cli.config import config as _config  # noqa: E402 - `shoal config` lives in its own module
+
+app.command("config")(_config)
+
+
+@app.callback()
+def _load_settings() -> None:
+    """Check the settings when any command starts: a bad SHOAL_* value stops it here, with the variable named,
+    instead of deep inside a create; unknown SHOAL_* variables (typos) are reported."""
+    import warnings
+
+    from shoal.config import InvalidSetting, UnknownSettingWarning, settings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnknownSettingWarning)
+        try:
+            settings()
+        except InvalidSetting as e:
+            err_console.print(f"[red]error:[/red] {e.message}")
+            raise typer.Exit(2) from None
+    for w in caught:
+        err_console.print(f"[yellow]warning:[/yellow] {w.message}")
+
 
 def main() -> None:
     """Console-script entry point."""

@@ -40,20 +40,26 @@ def serve(host: Annotated[str | None, typer.Option(help="address to bind [env SH
 
     Without any token configured the server binds loopback only; `shoal token create` turns auth on.
     Stopping the server (Ctrl-C, SIGTERM, even kill -9) keeps sandboxes running; the next server serves them.
-    Every limit also reads a SHOAL_API_* variable (see docs/api.md); options given here win.
+    Every limit is also a setting (SHOAL_API_*, see docs/configuration.md); options given here win.
     """
+    from shoal.config import InvalidSetting, NodeConfig, Settings
+    from shoal.node.node import Node
     from shoal.server.run import serve as run_serve
     from shoal.server.settings import ServerSettings
 
-    s = ServerSettings(no_auth=no_auth, access_log=access_log)
-    given = {"host": host, "port": port, "max_inflight_per_token": max_inflight,
-             "create_concurrency": create_concurrency, "log_level": log_level,
-             "max_upload_bytes": None if max_upload_mb is None else int(max_upload_mb * 2**20),
-             "max_request_bytes": None if max_request_mb is None else int(max_request_mb * 2**20)}
-    for k, v in given.items():
-        if v is not None:
-            setattr(s, k, v)
-    run_serve(s, say=lambda m: print(m, file=sys.stderr, flush=True))  # plain lines: logs get parsed
+    # options are the "argument" layer of the settings (over file and environment), checked like the rest
+    given = {"api_host": host, "api_port": port, "api_max_inflight": max_inflight,
+             "api_create_concurrency": create_concurrency, "api_log_level": log_level,
+             "api_max_upload_bytes": None if max_upload_mb is None else int(max_upload_mb * 2**20),
+             "api_max_request_bytes": None if max_request_mb is None else int(max_request_mb * 2**20)}
+    try:
+        st = Settings.load(args=given, warn=lambda m: None)  # unknown variables: reported at CLI start
+    except InvalidSetting as e:
+        err_console.print(f"[red]error:[/red] {e.message}")
+        raise typer.Exit(2) from None
+    s = ServerSettings.from_settings(st, no_auth=no_auth, access_log=access_log)
+    node = Node(NodeConfig.from_settings(st))
+    run_serve(s, node=node, say=lambda m: print(m, file=sys.stderr, flush=True))  # plain lines: logs get parsed
 
 
 @token_app.command("create")

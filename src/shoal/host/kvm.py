@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shoal.config import settings
+
 # ioctl numbers from <linux/kvm.h> (x86-64)
 KVM_GET_API_VERSION = 0xAE00
 KVM_CREATE_VM = 0xAE01
@@ -166,7 +168,7 @@ def _boot_id() -> str:
 
 def _cache_path() -> Path:
     # /run is a tmpfs: it is empty after a reboot, and the boot id guards against stale files anyway
-    return Path(os.environ.get("SHOAL_KVM_CACHE", "/run/shoal/kvm-status.json"))
+    return settings().kvm_cache
 
 
 def probe(timeout: float = PROBE_TIMEOUT_S) -> KvmStatus:
@@ -205,8 +207,7 @@ def probe(timeout: float = PROBE_TIMEOUT_S) -> KvmStatus:
 
 def kvm_status(refresh: bool = False) -> KvmStatus:
     """The cached verdict for this boot (probing once when there is none). SHOAL_VM_ACCEL=tcg forces TCG."""
-    forced = os.environ.get("SHOAL_VM_ACCEL", "").lower()
-    if forced == "tcg":
+    if settings().vm_accel == "tcg":
         return KvmStatus(False, "SHOAL_VM_ACCEL=tcg: KVM not used (software emulation)", "unset SHOAL_VM_ACCEL")
     boot = _boot_id()
     path = _cache_path()

@@ -26,6 +26,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from shoal.config import settings
+
 log = logging.getLogger(__name__)
 
 SOURCE = r"""
@@ -73,7 +75,7 @@ _build_lock = threading.Lock()
 
 def helper_binary(cache_dir: Path) -> str | None:
     """Path of the compiled helper (built on first use into `cache_dir`), or None when unavailable."""
-    if os.environ.get("SHOAL_MNTNS", "1") == "0":
+    if not settings().mntns:
         return None
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
     path = Path(cache_dir) / f"shoal-mntns-{digest}"

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from shoal.config import settings
 from shoal.errors import BackendUnavailable, ImageBuildError
 from shoal.host.spawn import run_sync
 from shoal.images.store import Image, ImageConfig, ImageStore
@@ -25,7 +26,7 @@ _DPKG_EXCLUDES = [
 
 def default_mirror() -> str:
     """SHOAL_DEBIAN_MIRROR or the Debian mirror apt on this host uses."""
-    return os.environ.get("SHOAL_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+    return settings().debian_mirror
 
 
 def build_base(store: ImageStore, ref: str = "base:latest", packages: list[str] | None = None,

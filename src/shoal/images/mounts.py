@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shoal.config import Paths
+from shoal.config import Paths, settings
 from shoal.errors import InvalidRequest
 from shoal.fsutil import atomic_write
 from shoal.host import syscalls
@@ -56,9 +56,10 @@ class LayerMounts:
         self.locks = paths.locks
         self.root.mkdir(parents=True, exist_ok=True)
         self.locks.mkdir(parents=True, exist_ok=True)
-        self.mode = mode or os.environ.get("SHOAL_EROFS_MOUNT") or "auto"
+        s = settings()
+        self.mode = mode or s.erofs_mount
         #: file-backed mounts with EROFS' directio option when the kernel has it
-        self.directio = os.environ.get("SHOAL_EROFS_DIRECTIO", "1") != "0"
+        self.directio = s.erofs_directio
         if self.mode not in MOUNT_MODES:
             raise InvalidRequest(f"EROFS mount mode {self.mode!r} must be one of {', '.join(MOUNT_MODES)}")
         #: names this host's leases in a shared store: host name + which SHOAL_HOME mounted it

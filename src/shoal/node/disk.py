@@ -19,7 +19,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from shoal.config import Paths
+from shoal.config import Paths, settings
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
 
@@ -50,11 +50,12 @@ class UpperPool:
         self.paths = paths
         self.mountpoint = paths.home / "uppers"
         self.image = paths.home / "uppers.btrfs"
-        self.size_gb = size_gb or int(os.environ.get("SHOAL_UPPER_POOL_GB", "0") or 0)
+        s = settings()
+        self.size_gb = size_gb or s.upper_pool_gb
         self._fd: int | None = None
         self.enforced: bool | None = None
         self.reason = ""
-        if os.environ.get("SHOAL_DISK_LIMITS", "1") == "0":
+        if not s.disk_limits:
             self.enforced, self.reason = False, "disk limits disabled by SHOAL_DISK_LIMITS=0"
 
     def _lock(self) -> int:

@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from shoal.config import Paths
+from shoal.config import Paths, settings
 from shoal.errors import BackendUnavailable, CapacityExceeded, SandboxError
 from shoal.host.spawn import run, run_sync
 from shoal.node.records import SandboxRecord
@@ -51,7 +51,7 @@ class NetworkManager:
     def __init__(self, paths: Paths) -> None:
         self.paths = paths
         # host-global (not per SHOAL_HOME): every node agent on this host shares the one bridge and subnet
-        self.leases = Path(os.environ.get("SHOAL_NET_LEASES", "/run/shoal/net-leases"))
+        self.leases = settings().net_leases
         self._bridge_ready = False
 
     def resolv_conf(self) -> Path:

@@ -122,9 +122,7 @@ class Node:
         if reap:
             self._reaper = asyncio.create_task(self._reap_loop(), name="shoal-reaper")
         self._started = True
-        from shoal.node.pool import parse_pool_env
-
-        for image, size in parse_pool_env().items():
+        for image, size in self.config.warm_pool.items():
             self.set_warm_pool(SandboxSpec(image=image), size)
         return self
 
@@ -420,7 +418,7 @@ class Node:
         if isinstance(cmd, str):
             if not cmd.strip():
                 raise InvalidRequest("command is empty")
-            return ["/bin/sh", "-c", cmd] if os.environ.get("SHOAL_SH") else ["/bin/bash", "-c", cmd]
+            return ["/bin/sh", "-c", cmd] if self.config.posix_sh else ["/bin/bash", "-c", cmd]
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise InvalidRequest("command must be a non-empty string or list of strings")
         return list(cmd)

@@ -19,12 +19,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from shoal.config import parse_warm_pool, settings
 from shoal.errors import InvalidRequest, SandboxNotFound, ShoalError
 from shoal.models import SandboxInfo, SandboxSpec
 
@@ -197,15 +197,11 @@ class WarmPool:
 
 
 def parse_pool_env(value: str | None = None) -> dict[str, int]:
-    """SHOAL_WARM_POOL="base=16,py:3.12=4" → {"base": 16, "py:3.12": 4} (default limits per image)."""
-    value = os.environ.get("SHOAL_WARM_POOL", "") if value is None else value
-    out: dict[str, int] = {}
-    for item in value.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, _, n = item.rpartition("=")
-        if not name or not n.isdigit():
-            raise InvalidRequest(f"SHOAL_WARM_POOL item {item!r} must look like IMAGE=COUNT")
-        out[name] = int(n)
-    return out
+    """SHOAL_WARM_POOL="base=16,py:3.12=4" → {"base": 16, "py:3.12": 4} (default limits per image); without
+    `value`, the warm_pool setting."""
+    if value is None:
+        return dict(settings().warm_pool)
+    try:
+        return parse_warm_pool(value)
+    except ValueError as e:
+        raise InvalidRequest(f"SHOAL_WARM_POOL: {e}") from None

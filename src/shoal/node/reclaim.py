@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError
 from shoal.host.cgroups import SandboxCgroup
 from shoal.host.spawn import run_sync
@@ -577,9 +578,9 @@ def sandbox_swap_mb(memory_mb: int) -> int | None:
     """
     if not swap_active() or not _memsw_supported():
         return None
-    pol = os.environ.get("SHOAL_SANDBOX_SWAP", "auto").strip().lower()
-    if pol in ("", "auto"):
+    pol = settings().sandbox_swap  # "auto", "0" or a size (checked when the settings load)
+    if pol == "auto":
         return int(memory_mb)
-    if pol in ("0", "off", "no", "none"):
+    if pol == "0":
         return 0
     return parse_size(pol) >> 20

@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from shoal.config import Paths
+from shoal.config import Paths, settings
 from shoal.host import syscalls
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class VolatileDirs:
         self.root = paths.home / "volatile"
         #: where sandbox directories go (the name keeps "/sandboxes/" in every path, as before)
         self.sandboxes = self.root / "sandboxes"
-        self.enabled = os.environ.get("SHOAL_SANDBOX_TMPFS", "1") != "0"
+        self.enabled = settings().sandbox_tmpfs
         self._ready = False
 
     @contextlib.contextmanager

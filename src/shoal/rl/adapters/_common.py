@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import threading
 from pathlib import Path
 from typing import Any
 
+from shoal.config import settings
 from shoal.errors import InvalidRequest
 from shoal.rl.env import Action, normalize_action
 from shoal.rl.tasks import HarborTask, SWETask, Task, load_tasks, task_from_dict
@@ -51,7 +51,7 @@ def resolve_task(task: Any = None, task_id: str | None = None, tasks: str | Path
             if t.id == task_id:
                 return t
         raise InvalidRequest(f"task {task_id!r} is not among the {len(tasks)} tasks given")
-    src = str(tasks or os.environ.get(TASKS_ENV) or "")
+    src = str(tasks or settings().rl_tasks or "")
     if not src:
         raise InvalidRequest(f"task {task_id!r} given by id, but no tasks file: pass tasks= or set ${TASKS_ENV}")
     with _lock:
