@@ -64,3 +64,13 @@ async def test_host_kernel_facts_are_hidden(client: shoal.Client) -> None:
     assert lines[2] == "0" and lines[3] == "0"
     assert lines[4].split()[1] == "300", lines  # `free` works and agrees
     await sb.close()
+
+
+async def test_raw_sockets_only_with_network(client: shoal.Client) -> None:
+    """CAP_NET_RAW is granted only to networked sandboxes (the only ones where packet tools make sense)."""
+    probe = ["python3", "-c", "import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW); print('raw')"]
+    off = await client.create("base")
+    r = await off.exec(probe)
+    assert r.exit_code != 0 and b"PermissionError" in r.stderr
+    on = await client.create("base", network=True)
+    assert (await on.exec(probe)).stdout == b"raw\n"

@@ -155,13 +155,16 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     for dst, src in (proc_files or {}).items():
         mounts.append({"destination": dst, "type": "bind", "source": src,
                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
+    # raw sockets are for networked sandboxes (ping, traceroute, packet tools); with only a loopback
+    # device they serve nothing, so a sandbox without network does not get them
+    caps = DEFAULT_CAPS if netns_path else [c for c in DEFAULT_CAPS if c != "CAP_NET_RAW"]
     process: dict[str, Any] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},
         "args": [AGENT_PATH_IN_SANDBOX, "--listen-fd", "3", *(agent_args or [])],
         "env": [f"{k}={v}" for k, v in env.items()],
         "cwd": "/",
-        "capabilities": {k: list(DEFAULT_CAPS) for k in ("bounding", "effective", "permitted")},
+        "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted")},
         "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _nofile(), "soft": _nofile()}],
         "noNewPrivileges": True,
     }

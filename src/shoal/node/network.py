@@ -3,28 +3,54 @@
 Each networked sandbox gets its own network namespace with one veth on the host bridge `shoal0`
 (10.89.0.0/16). nftables masquerades its traffic out of the host's uplink, drops traffic from
 sandboxes to the host itself, and bridge port isolation keeps sandboxes from reaching each other.
+
+A networked sandbox has CAP_NET_RAW (ping, traceroute, packet tools work), so it can put any frame on
+its veth. Two tables make that harmless (see docs/security.md):
+
+- `bridge shoal` checks every frame a sandbox's port sends: its Ethernet source, the sender of an ARP
+  packet and the source of an IP packet must be that port's own MAC and IP (a port is registered with
+  them before its link comes up); nothing but IPv4 and ARP passes. No ARP spoofing of another
+  sandbox's (or the gateway's) address, no forged source addresses, no MAC flooding of the bridge.
+- `inet shoal` NATs, keeps sandboxes off the host, and drops (again) any source outside the subnet;
+  strict reverse-path filtering on `shoal0` is a third layer.
+
+Both tables carry a version in their comment; setup upgrades an older table in place (one atomic nft
+transaction, re-registering the live ports from the leases) and never touches a newer one. The bridge,
+its tables and the IP leases are host-global: every node agent on the host shares them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
+import json
+import logging
 import os
+import re
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from shoal.config import Paths, settings
 from shoal.errors import BackendUnavailable, CapacityExceeded, SandboxError
 from shoal.host.spawn import run, run_sync
 from shoal.node.records import SandboxRecord
 
+log = logging.getLogger(__name__)
+
 BRIDGE = "shoal0"
 SUBNET = ipaddress.ip_network("10.89.0.0/16")
 GATEWAY = "10.89.0.1"
 NFT_TABLE = "shoal"
+#: bump when a table's rules change: setup replaces an older table, leaves a newer one alone
+NFT_VERSION = 2
+_COMMENT = f"shoal-net v{NFT_VERSION}"
 
-_NFT_RULES = f"""
+_INET_RULES = f"""
 table inet {NFT_TABLE} {{
+  comment "{_COMMENT}"
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {SUBNET} ip daddr != {SUBNET} masquerade
@@ -37,12 +63,57 @@ table inet {NFT_TABLE} {{
   chain forward {{
     type filter hook forward priority filter; policy accept;
     iifname "{BRIDGE}" oifname "{BRIDGE}" drop
+    iifname "{BRIDGE}" ip saddr != {SUBNET} counter drop
+    iifname "{BRIDGE}" meta nfproto != ipv4 counter drop
     iifname "{BRIDGE}" accept
     oifname "{BRIDGE}" ct state established,related accept
     oifname "{BRIDGE}" drop
   }}
 }}
 """
+
+# Ports not in @ports (made by a shoal from before this table) are left alone: a sandbox cannot add a
+# port to the bridge, only the node agent can, and it registers each one before bringing it up.
+_BRIDGE_RULES = f"""
+table bridge {NFT_TABLE} {{
+  comment "{_COMMENT}"
+  set ports {{ type ifname; }}
+  set port_mac {{ type ifname . ether_addr; }}
+  set port_ip {{ type ifname . ipv4_addr; }}
+  chain prerouting {{
+    type filter hook prerouting priority -200; policy accept;
+    iifname != @ports accept
+    iifname . ether saddr != @port_mac counter drop
+    ether type arp iifname . arp saddr ether != @port_mac counter drop
+    ether type arp iifname . arp saddr ip != @port_ip counter drop
+    ether type ip iifname . ip saddr != @port_ip counter drop
+    ether type != {{ ip, arp }} counter drop
+  }}
+}}
+"""
+
+_VERSION_RE = re.compile(r'comment "shoal-net v(\d+)"')
+
+
+def mac_for(ip: str) -> str:
+    """The MAC a sandbox with this IP gets (locally administered, fixed by the IP: no lookup needed)."""
+    b = ipaddress.ip_address(ip).packed
+    return "02:73:68:{:02x}:{:02x}:{:02x}".format(*b[1:])
+
+
+def _port_elements(veth: str, mac: str, ip: str) -> str:
+    return (f'element bridge {NFT_TABLE} ports {{ "{veth}" }}\n'
+            f'element bridge {NFT_TABLE} port_mac {{ "{veth}" . {mac} }}\n'
+            f'element bridge {NFT_TABLE} port_ip {{ "{veth}" . {ip} }}\n')
+
+
+def installed_version(family: str) -> int | None:
+    """The version of shoal's table of `family` on this host (0: an unversioned one; None: none)."""
+    r = run_sync(["nft", "-t", "list", "table", family, NFT_TABLE], timeout=30)
+    if r.returncode != 0:
+        return None
+    m = _VERSION_RE.search(r.stdout.decode(errors="replace"))
+    return int(m.group(1)) if m else 0
 
 
 class NetworkManager:
@@ -58,24 +129,77 @@ class NetworkManager:
         """The resolv.conf bind-mounted into networked sandboxes (the host's)."""
         return Path("/etc/resolv.conf")
 
+    @contextlib.contextmanager
+    def _host_lock(self) -> Iterator[None]:
+        # node agents of every SHOAL_HOME on this host set up the same bridge and tables
+        self.leases.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.leases.parent / "net.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def ensure_bridge(self) -> None:
-        """Create the bridge, enable forwarding and install the nftables table (idempotent)."""
+        """Create the bridge, enable forwarding, install or upgrade the nftables tables (idempotent)."""
         if self._bridge_ready:
             return
         for tool in ("ip", "nft"):
             if not run_sync(["which", tool]).returncode == 0:
                 raise BackendUnavailable(f"network=True needs `{tool}`: apt-get install iproute2 nftables")
-        if run_sync(["ip", "link", "show", BRIDGE]).returncode != 0:
-            run_sync(["ip", "link", "add", BRIDGE, "type", "bridge"], check=True)
-            run_sync(["ip", "addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE], check=True)
-        run_sync(["ip", "link", "set", BRIDGE, "up"], check=True)
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
-        if run_sync(["nft", "list", "table", "inet", NFT_TABLE]).returncode != 0:
-            run_sync(["nft", "-f", "-"], stdin=_NFT_RULES.encode(), check=True)
-        self.leases.mkdir(parents=True, exist_ok=True)
+        with self._host_lock():
+            if run_sync(["ip", "link", "show", BRIDGE]).returncode != 0:
+                run_sync(["ip", "link", "add", BRIDGE, "type", "bridge"], check=True)
+                run_sync(["ip", "addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE], check=True)
+            run_sync(["ip", "link", "set", BRIDGE, "up"], check=True)
+            Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+            # strict reverse-path filter: a source address that would not be routed back out of shoal0 is dropped
+            with contextlib.suppress(OSError):
+                Path(f"/proc/sys/net/ipv4/conf/{BRIDGE}/rp_filter").write_text("1")
+            self.leases.mkdir(parents=True, exist_ok=True)
+            self._install_tables()
         self._bridge_ready = True
 
-    def _lease(self, sandbox_id: str) -> str:
+    def _install_tables(self) -> None:
+        script = ""
+        for family, rules in (("inet", _INET_RULES), ("bridge", _BRIDGE_RULES)):
+            have = installed_version(family)
+            if have is not None and have >= NFT_VERSION:
+                if have > NFT_VERSION:
+                    log.warning("a newer shoal (v%d) set up the %s table; leaving it as it is", have, family)
+                continue
+            if have is not None:
+                # replace in one transaction: no moment without rules (conntrack and NAT state survive)
+                script += f"table {family} {NFT_TABLE} {{}}\ndelete table {family} {NFT_TABLE}\n"
+                log.info("upgrading nftables table %s %s from v%d to v%d", family, NFT_TABLE, have, NFT_VERSION)
+            script += rules
+            if family == "bridge":
+                script += "".join("add " + line for line in self._live_port_elements().splitlines(True))
+        if script:
+            run_sync(["nft", "-f", "-"], stdin=script.encode(), check=True, timeout=60)
+
+    def _live_port_elements(self) -> str:
+        # ports of sandboxes made before this table (an upgrade): registered again from their leases
+        out = ""
+        for lease in self._leases():
+            veth, ip = lease.get("veth"), lease.get("ip")
+            if veth and ip and Path(f"/sys/class/net/{veth}").exists():
+                out += _port_elements(veth, lease.get("mac") or mac_for(ip), ip)
+        return out
+
+    def _leases(self) -> list[dict[str, Any]]:
+        out = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.leases) as it:
+            for e in it:
+                try:
+                    data = json.loads(Path(e.path).read_text())
+                except (OSError, ValueError):
+                    continue  # a plain sandbox id: an older shoal's lease, nothing to register
+                if isinstance(data, dict):
+                    out.append(dict(data, ip=e.name))
+        return out
+
+    def _lease(self, sandbox_id: str, veth: str) -> str:
         hosts = SUBNET.num_addresses - 3
         for _ in range(64):
             n = 2 + secrets.randbelow(hosts)
@@ -84,7 +208,7 @@ class NetworkManager:
                 fd = os.open(self.leases / ip, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 continue
-            os.write(fd, sandbox_id.encode())
+            os.write(fd, json.dumps({"sandbox": sandbox_id, "veth": veth, "mac": mac_for(ip)}).encode())
             os.close(fd)
             return ip
         raise CapacityExceeded("no free sandbox IP address in 10.89.0.0/16", retry_after_s=5.0)
@@ -95,18 +219,22 @@ class NetworkManager:
         short = rec.id.rsplit("-", 1)[1][:10]
         ns = f"shoal-{short}"
         host_if = f"sh{short}"[:15]
-        ip = self._lease(rec.id)
+        ip = self._lease(rec.id, host_if)
+        mac = mac_for(ip)
         rec.netns = ns
         rec.extra["ip"] = ip
         rec.extra["veth"] = host_if
         rec.save()
         try:
             (await run(["ip", "netns", "add", ns])).check("ip netns add")
-            host_cmds = (f"link add {host_if} type veth peer name eth0 netns {ns}\n"
+            # the port is registered (its MAC and IP) before its link comes up: no frame passes unchecked
+            host_cmds = (f"link add {host_if} type veth peer name eth0 address {mac} netns {ns}\n"
                          f"link set {host_if} master {BRIDGE}\n"
-                         f"link set {host_if} type bridge_slave isolated on\n"
-                         f"link set {host_if} up\n")
+                         f"link set {host_if} type bridge_slave isolated on\n")
             (await run(["ip", "-batch", "-"], stdin=host_cmds.encode())).check("ip (host side)")
+            add = "".join("add " + line for line in _port_elements(host_if, mac, ip).splitlines(True))
+            (await run(["nft", "-f", "-"], stdin=add.encode())).check("nft (register the port)")
+            (await run(["ip", "link", "set", host_if, "up"])).check("ip link set up")
             ns_cmds = (f"addr add {ip}/{SUBNET.prefixlen} dev eth0\nlink set eth0 up\nlink set lo up\n"
                        f"route add default via {GATEWAY}\n")
             (await run(["ip", "-n", ns, "-batch", "-"], stdin=ns_cmds.encode())).check("ip (sandbox side)")
@@ -116,13 +244,23 @@ class NetworkManager:
         return f"/run/netns/{ns}"
 
     async def teardown(self, rec: SandboxRecord) -> None:
-        """Remove the veth, the netns (and its bind mount) and the IP lease. Idempotent."""
+        """Remove the veth, its port registration, the netns (and its bind mount) and the IP lease. Idempotent."""
         veth = rec.extra.get("veth")
+        ip = rec.extra.get("ip")
         if veth:
             await run(["ip", "link", "del", veth])
+            if ip:
+                await self._unregister(veth, ip)
         if rec.netns:
             await run(["ip", "netns", "del", rec.netns])
-        ip = rec.extra.get("ip")
         if ip:
             with contextlib.suppress(FileNotFoundError):
                 (self.leases / ip).unlink()
+
+    async def _unregister(self, veth: str, ip: str) -> None:
+        lines = _port_elements(veth, mac_for(ip), ip).splitlines(True)
+        r = await run(["nft", "-f", "-"], stdin="".join("delete " + ln for ln in lines).encode())
+        if r.returncode != 0:
+            # some were never added (a setup that failed half-way): delete what is there, one by one
+            for ln in lines:
+                await run(["nft", "-f", "-"], stdin=("delete " + ln).encode())
