@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -319,3 +322,35 @@ def test_no_shoal_variable_is_read_outside_config() -> None:
         found += [f"{p.relative_to(REPO)}:{line}: {var}" for line, var in stray_reads(p.read_text())]
     assert not found, ("SHOAL_* variables read outside src/shoal/config.py (declare them in the Settings model and "
                        "read settings() instead):\n" + "\n".join(found))
+
+
+def test_docs_python_example_runs_as_written(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    text = (REPO / "docs" / "configuration.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.delenv("SHOAL_MEMORY_OVERCOMMIT", raising=False)
+    exec(compile(code, "docs/configuration.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines()[0] == "8.0 argument"
+
+
+def test_docs_config_file_example_loads(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "configuration.md").read_text()
+    f = write(tmp_path / "c.toml", text.split("```toml\n", 1)[1].split("```", 1)[0])
+    s = Settings.load(env={"SHOAL_CONFIG": str(f)})
+    assert s.store == Path("/mnt/moosefs/shoal-store") and s.warm_pool == {"base": 32, "py:3.12": 8}
+    assert s.source("api_max_inflight") == f"file {f}"
+
+
+def test_no_module_reads_settings_at_import() -> None:
+    # a bad value must not break an import: settings are read when a node, server or command starts
+    code = ("import importlib, pkgutil, shoal\n"
+            "for m in pkgutil.walk_packages(shoal.__path__, 'shoal.'):\n"
+            "    try:\n"
+            "        importlib.import_module(m.name)\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        if (e.name or '').startswith('shoal'):\n"
+            "            raise\n"
+            "print('imported')\n")
+    env = {**os.environ, "SHOAL_MEMORY_OVERCOMMIT": "lots", "SHOAL_CONFIG": "/dev/null"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "imported" in r.stdout, r.stderr[-2000:]
