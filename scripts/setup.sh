@@ -13,6 +13,8 @@ APT_PACKAGES=(
   erofs-utils mmdebstrap skopeo zstd e2fsprogs btrfs-progs
   # a loopback registry for the image-import tests (never started as a service)
   docker-registry
+  # a real distributed filesystem for the shared-store tests (`shoal store dev-moosefs`; no service started)
+  moosefs-master moosefs-chunkserver moosefs-client
   # microVM / VM backends (guest kernel comes from Debian's package, never from elsewhere)
   qemu-system-x86 qemu-utils busybox-static cpio linux-image-amd64
 )

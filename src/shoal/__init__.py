@@ -13,6 +13,7 @@ from shoal.errors import (
     Forbidden,
     GangUnsatisfiable,
     ImageBuildError,
+    ImageCorrupt,
     ImageNotFound,
     InvalidRequest,
     NotImplementedYet,
@@ -22,6 +23,7 @@ from shoal.errors import (
     SandboxNotFound,
     ShellNotFound,
     ShoalError,
+    StoreUnavailable,
     Timeout,
     Unauthorized,
 )
@@ -34,9 +36,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
-    "Forbidden", "GangUnsatisfiable",
-    "ImageBuildError", "ImageNotFound", "InvalidRequest", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "Forbidden", "GangUnsatisfiable", "ImageBuildError", "ImageCorrupt", "ImageNotFound", "InvalidRequest",
+    "NotImplementedYet", "QuotaExceeded", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxNotFound", "SandboxSpec", "Shell",
-    "ShellNotFound", "ShoalError", "Stream", "StreamEvent", "SyncClient", "SyncSandbox", "Timeout",
+    "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
+    "Timeout",
     "Unauthorized", "__version__",
 ]

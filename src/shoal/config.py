@@ -369,6 +369,14 @@ class Settings:
                                    "has it)", BOOL)
     debian_mirror: str = setting("http://deb.debian.org/debian", "images", "Debian mirror for base image builds",
                                  text(r"(https?|file)://\S+", "an http(s):// or file:// URL"))
+    verify_layers: bool = setting(True, "images", "check a layer against its digest before its first mount on "
+                                  "this node (remembered per node by file identity)", BOOL)
+    lease_heartbeat_s: float = setting(60.0, "images", "how often a node agent renews its layer leases in the store "
+                                       "(seconds)", number(0, lo_open=True))
+    lease_ttl_s: float = setting(900.0, "images", "a lease not renewed for this long belongs to a dead node: gc "
+                                 "ignores it (seconds)", number(0, lo_open=True))
+    store_probe_timeout_s: float = setting(3.0, "images", "creates fail with store_unavailable when the store does "
+                                           "not answer a probe within this (seconds)", number(0, lo_open=True))
     # ---- rl
     rl_tasks: str | None = setting(None, "rl", "tasks file or directory the trainer adapters look task ids up in",
                                    _optional(text()), default_doc="none")

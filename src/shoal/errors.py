@@ -108,6 +108,21 @@ class BackendUnavailable(ShoalError):
     code = "backend_unavailable"
 
 
+class ImageCorrupt(ShoalError):
+    """A layer's bytes no longer hash to its digest (or its filesystem does not mount): it is never mounted.
+    An operator problem, not bad input: rebuild or re-import the image (`shoal image verify`)."""
+
+    http_status = 500
+    code = "image_corrupt"
+
+
+class StoreUnavailable(ShoalError):
+    """The layer store (SHOAL_STORE, maybe a shared filesystem) did not answer a bounded probe."""
+
+    http_status = 503
+    code = "store_unavailable"
+
+
 class SandboxError(ShoalError):
     """The sandbox failed: it did not start, its agent died, or it was killed."""
 
@@ -167,6 +182,8 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         SandboxError,
         AgentProtocolError,
         ImageBuildError,
+        ImageCorrupt,
+        StoreUnavailable,
         Unauthorized,
         Forbidden,
         NotImplementedYet,

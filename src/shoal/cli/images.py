@@ -379,8 +379,9 @@ def image_gc(
     grace: Annotated[str, typer.Option(help="keep layers created or used more recently than this "
                                             "(protects builds in progress on other hosts)")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only report what would go")] = False,
-    lease_max_age: Annotated[str | None, typer.Option(help="ignore other hosts' mount leases older than this "
-                                                           "(hosts that died)")] = None,
+    lease_max_age: Annotated[str | None, typer.Option(help="ignore other nodes' mount leases not renewed for this "
+                                                           "long: their nodes died (default: SHOAL_LEASE_TTL_S, "
+                                                           "15 min)")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Remove layers that no image and no live sandbox references (and stale temp files)."""
@@ -388,7 +389,7 @@ def image_gc(
     from shoal.images.gc import collect_garbage
 
     rep = collect_garbage(_store(), Paths.from_env(), grace_s=parse_duration(grace), dry_run=dry_run,
-                          lease_max_age_s=parse_duration(lease_max_age) if lease_max_age else None)
+                          lease_max_age_s=parse_duration(lease_max_age) if lease_max_age else -1.0)
     if as_json:
         print(json.dumps(rep.to_dict(), indent=1))
         return
@@ -397,3 +398,45 @@ def image_gc(
                   f"{len(rep.removed_manifests)} untagged image versions, {rep.removed_cache_entries} cache entries, "
                   f"{rep.removed_tmp} temp files, {rep.removed_orphans} orphans; kept {rep.kept_referenced} "
                   f"referenced, {len(rep.kept_in_use)} in use, {len(rep.kept_young)} younger than {grace}")
+
+
+@image_app.command("verify")
+def image_verify(
+    names: Annotated[list[str] | None,
+                     typer.Argument(help="images to check (default: every layer in the store)")] = None,
+    remove_corrupt: Annotated[bool, typer.Option("--remove-corrupt", help="delete corrupt layers so that a "
+                                                 "rebuild or re-import stores them afresh")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Hash layers against their digests; list corrupt ones and the images that use them (exit 1 if any)."""
+    from shoal.errors import ShoalError
+    from shoal.images.integrity import hash_file
+
+    store = _store()
+    try:
+        layers = ({lay.digest: lay for n in names for lay in store.resolve(n).layers}.values() if names
+                  else store.list_layers())
+    except ShoalError as e:
+        _fail(e.message)
+    users: dict[str, list[str]] = {}
+    for img in store.list_images():
+        for lay in img.layers:
+            users.setdefault(lay.digest, []).append(img.ref)
+    bad = []
+    for lay in layers:
+        try:
+            ok = lay.path.stat().st_size == lay.size and hash_file(lay.path) == lay.hex
+        except OSError:
+            ok = False
+        if not ok:
+            bad.append({"layer": lay.digest, "images": sorted(users.get(lay.digest, []))})
+            if remove_corrupt:
+                store.remove_layer(lay.digest)
+    if as_json:
+        print(json.dumps({"checked": len(list(layers)), "corrupt": bad, "removed": remove_corrupt}, indent=1))
+    else:
+        console.print(f"checked {len(list(layers))} layers: {len(bad)} corrupt")
+        for b in bad:
+            what = "removed" if remove_corrupt else "corrupt"
+            console.print(f"  {what} {b['layer']}  used by: {', '.join(b['images']) or '-'}")
+    raise typer.Exit(1 if bad else 0)

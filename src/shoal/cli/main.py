@@ -17,6 +17,9 @@ app = typer.Typer(help="shoal: isolated, stateful sandboxes for agentic RL.", no
 from shoal.cli.images import image_app  # noqa: E402 - the `image` sub-commands live there
 
 app.add_typer(image_app, name="image")
+from shoal.cli.store import store_app  # noqa: E402 - `store` (probe, MooseFS dev cluster)
+
+app.add_typer(store_app, name="store")
 
 UrlOpt = Annotated[str | None, typer.Option("--url", help="API server (default: embedded node; env SHOAL_URL)")]
 

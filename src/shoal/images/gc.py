@@ -5,7 +5,8 @@ A layer is kept when any of these holds:
   import may be about to tag it);
 - a sandbox record under this host's $SHOAL_HOME/sandboxes lists it, or LayerMounts has users for it;
 - it is mounted on this host (any SHOAL_HOME: found in /proc/self/mountinfo and loop backing files);
-- another host holds a lease on it (`leases/<hex>/<host key>`, written by LayerMounts while mounted);
+- another node holds a live lease on it (`leases/<hex>/<host key>`, written by LayerMounts while mounted
+  and renewed by the node agent's heartbeat; a lease older than the lease TTL belongs to a dead node);
 - it was created or last used (metadata mtime, touched by every build/import/compose that reuses it)
   less than `grace_s` ago — a layer another host is writing or about to reference is never collected.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from shoal.config import Paths
 from shoal.host import syscalls
+from shoal.images import leases
 from shoal.images.store import ImageStore
 
 DEFAULT_GRACE_S = 3600.0
@@ -48,6 +50,8 @@ class GcReport:
     kept_in_use: list[str] = field(default_factory=list)
     kept_young: list[str] = field(default_factory=list)
     stale_leases_removed: int = 0
+    #: other nodes' leases older than the TTL (their nodes died): ignored, and removed unless dry_run
+    expired_leases: int = 0
     dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,12 +121,16 @@ def _leased(store: ImageStore, mounted_here: set[str], dry_run: bool, lease_max_
                         lease.unlink()
                 report.stale_leases_removed += 1
                 continue
-            try:
-                age = now - lease.stat().st_mtime
-            except OSError:
+            age = leases.age_s(lease, now)
+            if age is None:
                 continue
             if lease_max_age_s is None or age < lease_max_age_s:
                 out.add(hdir.name)
+                continue
+            report.expired_leases += 1
+            if not dry_run:
+                with contextlib.suppress(OSError):
+                    lease.unlink()
         if not dry_run:
             with contextlib.suppress(OSError):
                 hdir.rmdir()
@@ -160,16 +168,27 @@ def _tagged(store: ImageStore) -> tuple[set[str], set[str]]:
 
 
 def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: float = DEFAULT_GRACE_S,
-                    dry_run: bool = False, lease_max_age_s: float | None = None,
+                    dry_run: bool = False, lease_max_age_s: float | None = -1.0,
                     now: float | None = None) -> GcReport:
-    """Remove what nothing references (see module docs); `dry_run` only reports."""
+    """Remove what nothing references (see module docs); `dry_run` only reports. Other nodes' leases
+    count while younger than `lease_max_age_s` (default: the lease TTL setting; None: forever)."""
+    if lease_max_age_s is not None and lease_max_age_s < 0:
+        lease_max_age_s = leases.ttl_s()
+    if paths is not None and not dry_run:
+        from shoal.images.mounts import LayerMounts
+
+        # this node's own leases are fresh before anyone (this gc included) judges ages
+        with contextlib.suppress(Exception):
+            LayerMounts(paths).renew_leases()
+    # lease ages in the store's clock; everything else (grace periods) in this host's
+    lease_now = leases.store_now(store.root) if now is None else now
     now = time.time() if now is None else now
     report = GcReport(dry_run=dry_run)
     cutoff = now - grace_s
     tagged_m, tagged_l = _tagged(store)
     local_l, local_m = _local_users(paths)
     mounted = _mounted_layer_files(store)
-    leased = _leased(store, mounted, dry_run, lease_max_age_s, now, report)
+    leased = _leased(store, mounted, dry_run, lease_max_age_s, lease_now, report)
 
     # manifests: keep tagged, young, or used by a local sandbox; the rest go
     keep_m = set(tagged_m) | local_m

@@ -14,7 +14,12 @@ file's page cache), and the backing disk's readahead (often megabytes) does not 
 reads. SHOAL_EROFS_DIRECTIO=0 turns it off.
 
 While a layer is mounted, a lease file `<store>/leases/<hex>/<host key>` tells `shoal image gc` on
-any host sharing the store that the layer is in use here; it is removed at the last unmount.
+any host sharing the store that the layer is in use here; it is removed at the last unmount, and renewed
+(its mtime) by the node agent's heartbeat so that gc can tell a dead node's leases (shoal.images.leases).
+
+Before a layer's first mount on this node its bytes are checked against its digest (shoal.images.integrity);
+a corrupt layer, or one whose filesystem the kernel refuses, raises ImageCorrupt and is never mounted.
+Errors name the layer's digest, never a host path (they reach API clients).
 """
 
 from __future__ import annotations
@@ -23,19 +28,25 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from shoal.config import Paths, settings
-from shoal.errors import InvalidRequest
+from shoal.errors import ImageCorrupt, InvalidRequest, StoreUnavailable
 from shoal.fsutil import atomic_write
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
+from shoal.images import leases
+from shoal.images.integrity import LayerVerifier
 from shoal.images.store import Layer
+
+#: errnos with which the kernel refuses an EROFS image it cannot parse (EUCLEAN = EFSCORRUPTED)
+_CORRUPT_ERRNOS = {errno.EINVAL, errno.EUCLEAN, errno.EBADMSG, errno.EOVERFLOW, errno.EFBIG, errno.EOPNOTSUPP}
+#: errnos of a store that does not answer (a shared filesystem whose servers are gone)
+_UNREACHABLE_ERRNOS = {errno.EIO, errno.ENXIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTUNREACH,
+                       errno.ECONNREFUSED, errno.ESTALE, errno.ENODEV}
 
 _file_backed_ok: bool | None = None
 _directio_ok: bool | None = None
@@ -64,6 +75,8 @@ class LayerMounts:
             raise InvalidRequest(f"EROFS mount mode {self.mode!r} must be one of {', '.join(MOUNT_MODES)}")
         #: names this host's leases in a shared store: host name + which SHOAL_HOME mounted it
         self.lease_key = lease_key(self.root)
+        #: remembers which layer files this node has hashed (checked before a layer's first mount)
+        self.verifier = LayerVerifier(paths.home / "verified")
 
     def mountpoint(self, layer_hex: str) -> Path:
         """Where a layer is (or would be) mounted."""
@@ -98,22 +111,66 @@ class LayerMounts:
             users.mkdir(exist_ok=True)
             if not syscalls.is_mountpoint(str(mp)):
                 mp.mkdir(exist_ok=True)
-                _mount_erofs(layer.path, mp, self.mode, self.directio)
+                self._check_and_mount(layer, mp)
                 self._take_lease(layer, mp)
             elif not (self.root / f"{layer.hex}.lease").exists():
                 self._take_lease(layer, mp)  # mounted by an older shoal, before leases existed
             (users / user).touch()
         return mp
 
+    def _check_and_mount(self, layer: Layer, mp: Path) -> None:
+        """Verify the layer (first mount on this node), then mount it; typed errors without host paths."""
+        try:
+            self.verifier.check(layer.digest, layer.path, layer.size)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot read layer {layer.digest} from the layer store "
+                                   f"({errno.errorcode.get(e.errno or 0, 'error')}: {e.strerror}): "
+                                   "check that SHOAL_STORE is mounted and its servers are up "
+                                   "(`shoal store check`)") from None
+        try:
+            _mount_erofs(layer.path, mp, self.mode, self.directio)
+        except OSError as e:
+            code = errno.errorcode.get(e.errno or 0, "error")
+            if e.errno in _UNREACHABLE_ERRNOS:
+                raise StoreUnavailable(f"cannot mount layer {layer.digest}: the layer store did not answer "
+                                       f"({code}: {e.strerror}); check SHOAL_STORE (`shoal store check`)") from None
+            if e.errno in _CORRUPT_ERRNOS:
+                self.verifier.forget(layer.hex)
+                raise ImageCorrupt(f"layer {layer.digest} does not mount as EROFS ({code}: {e.strerror}): "
+                                   "its file is damaged; rebuild or re-import the images that use it "
+                                   "(`shoal image verify` lists them)") from None
+            raise
+
     def _take_lease(self, layer: Layer, mp: Path) -> None:
         # best effort: a store we cannot write to (read-only share) still mounts fine
-        lease = layer.path.parent.parent.parent / "leases" / layer.hex / self.lease_key
+        store_root = layer.path.parent.parent.parent
         try:
-            atomic_write(lease, json.dumps({"host": socket.gethostname(), "mountpoint": str(mp),
-                                            "since": time.time()}).encode(), fsync=False)
+            lease = leases.write_lease(store_root, layer.hex, self.lease_key, mp)
             atomic_write(self.root / f"{layer.hex}.lease", str(lease).encode(), fsync=False)
         except OSError:
             pass
+
+    def renew_leases(self) -> int:
+        """Heartbeat: renew the store leases of every layer mounted here (re-create any that vanished,
+        e.g. removed by a gc that took this node for dead); returns how many were renewed."""
+        n = 0
+        for note in self.root.glob("*.lease"):
+            h = note.name[: -len(".lease")]
+            mp = self.mountpoint(h)
+            try:
+                lease = Path(note.read_text())
+            except OSError:
+                continue
+            if not syscalls.is_mountpoint(str(mp)):
+                continue
+            if leases.renew(lease):
+                n += 1
+                continue
+            with self._locked(h), contextlib.suppress(OSError):
+                if syscalls.is_mountpoint(str(mp)):
+                    leases.write_lease(lease.parent.parent.parent, h, self.lease_key, mp)
+                    n += 1
+        return n
 
     def _drop_lease(self, layer_hex: str) -> None:
         note = self.root / f"{layer_hex}.lease"
@@ -221,21 +278,27 @@ def _mount_erofs(file: Path, mp: Path, mode: str = "auto", directio: bool = True
     if mode == "file":
         _mount_file_backed(file, mp, flags, directio)
         return
+    probing = False
     if mode == "auto" and _file_backed_ok is not False:
         try:
             _mount_file_backed(file, mp, flags, directio)
             _file_backed_ok = True
             return
         except OSError as e:
-            # ENOTBLK: this kernel wants a block device (file-backed mounts need Linux >= 6.12)
+            # ENOTBLK: this kernel wants a block device (file-backed mounts need Linux >= 6.12); EINVAL may
+            # mean the same on some kernels, or a damaged image: the loop mount below tells them apart
             if e.errno not in (errno.ENOTBLK, errno.EINVAL) or _file_backed_ok:
                 raise
-            _file_backed_ok = False
+            probing = e.errno == errno.EINVAL
+            if not probing:
+                _file_backed_ok = False
     r = run_sync(["losetup", "--find", "--show", "--read-only", str(file)], check=True)
     dev = r.stdout.decode().strip()
     try:
         syscalls.mount(dev, str(mp), "erofs", flags, None)
         _last_mode = "loop"
+        if probing:
+            _file_backed_ok = False  # the loop mount works where the file-backed one did not
     finally:
         # on a mounted device this only sets autoclear: the loop goes away with the last unmount
         run_sync(["losetup", "--detach", dev])

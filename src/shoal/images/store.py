@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import ImageNotFound, InvalidRequest
+from shoal.errors import ImageCorrupt, ImageNotFound, InvalidRequest
 from shoal.fsutil import (
     atomic_write,
     atomic_write_json,
@@ -144,6 +144,14 @@ def check_digest(digest: str) -> str:
 _check_digest = check_digest  # older name, kept for callers
 
 
+def _holds(path: Path, hexd: str, size: int) -> bool:
+    """True when `path` exists with exactly the bytes of digest `hexd` (hashed: a same-size file may be corrupt)."""
+    try:
+        return path.stat().st_size == size and sha256_file(path) == hexd
+    except FileNotFoundError:
+        return False
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -166,6 +174,9 @@ class ImageStore:
         for d in (self.layers_dir, self.manifests_dir, self.tags_dir, self.tmp_dir, self.cache_dir,
                   self.leases_dir):
             d.mkdir(parents=True, exist_ok=True)
+        from shoal.images.probe import ensure_marker
+
+        ensure_marker(self.root)  # the small file `shoal store check` and the nodes' probes read
 
     # ---- layers -------------------------------------------------------------------------------
     def layer_path(self, digest: str) -> Path:
@@ -222,14 +233,15 @@ class ImageStore:
         try:
             os.link(erofs_file, final)
         except FileExistsError:
-            # someone (maybe another host) already stored these bytes; heal a damaged copy
-            if final.stat().st_size != size:
+            # someone (maybe another node) already stored these bytes; heal a damaged (torn, truncated or
+            # bit-flipped) copy by renaming ours over it: nodes that mounted the old file keep its inode
+            if not _holds(final, hexd, size):
                 os.rename(erofs_file, final)
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
                 raise
             # a shared filesystem without hard links: rename is still atomic
-            if not (final.exists() and final.stat().st_size == size):
+            if not _holds(final, hexd, size):
                 os.rename(erofs_file, final)
         with contextlib.suppress(FileNotFoundError):
             erofs_file.unlink()
@@ -473,7 +485,7 @@ class ImageStore:
                     tmp.unlink()
             if got.digest != lay.digest:
                 self.remove_layer(got.digest)
-                raise InvalidRequest(f"layer {lay.digest} of {other.root} is corrupt (its bytes hash to {got.digest})")
+                raise ImageCorrupt(f"layer {lay.digest} of {other.root} is corrupt (its bytes hash to {got.digest})")
         target = as_ref or (img.ref if img.tag else f"{img.name}:latest")
         return self.put_image(target, [lay.digest for lay in img.layers], img.config,
                               lineage=dict(img.lineage, copied_from=img.digest))

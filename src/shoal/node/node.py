@@ -90,6 +90,11 @@ class Node:
         for d in (self.paths.home, self.paths.sandboxes, self.paths.run, self.paths.locks):
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts = LayerMounts(self.paths)
+        from shoal.images.probe import StoreHealth
+
+        #: bounded probes of SHOAL_STORE: creates fail fast (StoreUnavailable) when a shared store is down
+        self.store_health = StoreHealth(self.paths.store)
+        self._leases_renewed = 0.0
         self._clients: dict[str, AgentClient] = {}
         self._client_locks: dict[str, asyncio.Lock] = {}
         self._backends: dict[str, Backend] = {}
@@ -119,6 +124,8 @@ class Node:
             await asyncio.to_thread(setup_zram_swap, self.config.zram_swap)
         if reconcile:
             await self.reconcile()
+            with contextlib.suppress(Exception):
+                await self._heartbeat_leases(force=True)
         if reap:
             self._reaper = asyncio.create_task(self._reap_loop(), name="shoal-reaper")
         self._started = True
@@ -231,12 +238,21 @@ class Node:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Create one sandbox and wait until its agent answers (or hand out one from a warm pool)."""
         validate_spec(spec)
-        image = self.store.resolve(spec.image)
+        image = await self.resolve_image(spec.image)
         if self.pool.active:
             hit = await self.pool.take(spec, image)
             if hit is not None:
                 return hit
         return await self._create(spec, image)
+
+    async def resolve_image(self, ref: str) -> Image:
+        """Resolve an image for a create, after a bounded probe of the store (StoreUnavailable when it
+        does not answer), off the event loop: a hung shared filesystem never blocks the node agent."""
+        def go() -> Image:
+            self.store_health.check()
+            return self.store.resolve(ref)
+
+        return await asyncio.to_thread(go)
 
     def set_warm_pool(self, spec: SandboxSpec, size: int) -> str:
         """Keep `size` sandboxes of `spec` ready for create() (0 removes the pool). See shoal.node.pool."""
@@ -286,7 +302,7 @@ class Node:
         validate_spec(spec)
         if not 1 <= int(n) <= 100_000:
             raise InvalidRequest(f"n={n} must be between 1 and 100000")
-        image = self.store.resolve(spec.image)
+        image = await self.resolve_image(spec.image)
         sem = asyncio.Semaphore(concurrency or self.config.create_concurrency)
 
         async def one() -> SandboxInfo | ShoalError:
@@ -655,6 +671,17 @@ class Node:
         except ShoalError:
             return True
 
+    async def _heartbeat_leases(self, force: bool = False) -> None:
+        """Renew this node's store leases (mounted layers) every SHOAL_LEASE_HEARTBEAT_S, so gc on other
+        nodes can tell this node is alive (shoal.images.leases)."""
+        from shoal.images.leases import heartbeat_s
+
+        now = time.monotonic()
+        if not force and now - self._leases_renewed < heartbeat_s():
+            return
+        self._leases_renewed = now
+        await asyncio.to_thread(self.layer_mounts.renew_leases)
+
     async def _reap_loop(self) -> None:
         pause = self.config.reap_interval_s
         while True:
@@ -662,6 +689,8 @@ class Node:
             t0 = time.monotonic()
             with contextlib.suppress(Exception):
                 await self.reap_once()
+            with contextlib.suppress(Exception):
+                await self._heartbeat_leases()
             # a scan reads every record: with thousands of sandboxes, keep it under ~5% of one core
             pause = max(self.config.reap_interval_s, 20 * (time.monotonic() - t0))
 

@@ -18,9 +18,9 @@ _WHY = {
     413: "the request body is over the size limit",
     422: "invalid input; `details.errors` names the fields",
     429: "the node is at capacity or the token has too many requests in progress; retry after Retry-After",
-    500: "the sandbox failed (its agent died, it did not start)",
+    500: "the sandbox failed (its agent died, it did not start), or a layer of its image is corrupt (image_corrupt)",
     501: "this build does not provide the capability (the message says which)",
-    503: "the backend cannot run on this host",
+    503: "the backend cannot run on this host, or the layer store does not answer (store_unavailable)",
     504: "an operation did not finish within its deadline",
 }
 
