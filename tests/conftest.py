@@ -161,6 +161,7 @@ def moosefs() -> Iterator:
         if os.path.isdir("/run/netns") else []
     assert not left, f"network namespaces leaked: {left}"
     assert not mfs.is_mounted(Path(cluster.mountpoint)), "the MooseFS mount leaked"
+    assert not mfs._mfsmount_pids(Path(cluster.mountpoint)), "the MooseFS client process leaked"
     assert not Path(cluster.base).exists(), f"{cluster.base} was not removed"
 
 

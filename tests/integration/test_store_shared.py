@@ -58,8 +58,11 @@ def test_dev_moosefs_cli_up_status_down_leaves_nothing(moosefs: object) -> None:
         down = subprocess.run([SHOAL, "store", "dev-moosefs", "down", "--name", name, "--base", base],
                               capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
+    from shoal.images.moosefs import _gone, _mfsmount_pids
+
     for pid in pids:
-        assert not Path(f"/proc/{pid}").exists(), f"daemon {pid} survived down"
+        assert _gone(pid), f"daemon {pid} survived down"
+    assert not _mfsmount_pids(Path(st["mountpoint"])), "the FUSE client survived down"
     assert not [n for n in os.listdir("/run/netns") if n.startswith(f"shoal-mfs-{name}-")]
     assert not (base / name).exists()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from shoal.fsutil import atomic_write
 
+
 def heartbeat_s() -> float:
     """How often a node agent renews its leases (SHOAL_LEASE_HEARTBEAT_S, default 60)."""
     from shoal.config import settings

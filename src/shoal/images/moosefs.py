@@ -157,11 +157,7 @@ def _daemon_pid(data_dir: Path, daemon: str) -> int | None:
         pid = int(lock.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    return pid
+    return None if _gone(pid) else pid
 
 
 def master_cfg(c: MooseFsCluster) -> Path:
@@ -260,10 +256,14 @@ def stop_chunkserver(c: MooseFsCluster, cs: ChunkServer, kill: bool = False) -> 
         _wait_gone(pid, 10)
 
 
-def stop_master(c: MooseFsCluster) -> None:
-    """Stop the master (it saves its metadata first)."""
+def stop_master(c: MooseFsCluster, kill: bool = False) -> None:
+    """Stop the master (it saves its metadata first; kill=True: SIGKILL, as a crash)."""
     pid = _daemon_pid(c.base_dir / "master" / "data", "mfsmaster")
     if pid is None:
+        return
+    if kill:
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid, 10)
         return
     _ns(c.master_netns, ["mfsmaster", "-c", str(master_cfg(c)), "stop"], check=False, timeout=60)
     if not _wait_gone(pid, 30):
@@ -271,17 +271,21 @@ def stop_master(c: MooseFsCluster) -> None:
         _wait_gone(pid, 10)
 
 
+def _gone(pid: int) -> bool:
+    """True when `pid` has exited (a zombie waiting for its parent to reap it counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _gone(pid):
             return True
-        # a zombie child of ours (daemons are not, but be safe) still answers kill(0)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False
 
 
@@ -355,7 +359,9 @@ def _mfsmount_pids(mp: Path) -> list[int]:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv and argv[0].endswith(b"mfsmount") and target in argv:
+        # mfsmount rewrites its command line to "mfsmount (mounted on: PATH)"
+        if argv and argv[0].split(b" ")[0].endswith(b"mfsmount") and \
+                (target in argv or argv[0].endswith(b"(mounted on: " + target + b")")):
             out.append(int(d.name))
     return out
 
@@ -449,7 +455,7 @@ def down(name: str = "dev", base: Path | None = None) -> None:
         with contextlib.suppress(Exception):
             stop_chunkserver(c, cs, kill=True)
     with contextlib.suppress(Exception):
-        stop_master(c)
+        stop_master(c, kill=True)  # its metadata is deleted below: no need to save it
     for cs in c.chunkservers:
         _run(["ip", "netns", "del", cs.netns], check=False)
     _run(["ip", "netns", "del", c.master_netns], check=False)  # its veth pairs (host side too) go with it
