@@ -1,6 +1,6 @@
 """1,000 concurrent create → exec → close over HTTP from one client: zero errors, zero leaks.
 
-A count, not a clock: how fast this goes is measured by benchmarks/bench_api.py.
+A count, not a clock: how fast this goes is measured by `shoal bench api`.
 """
 
 from __future__ import annotations

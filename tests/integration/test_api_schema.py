@@ -30,7 +30,7 @@ FUZZ_PROJECT = f"fuzz-{secrets.token_hex(3)}"
 
 # What the runner is told beyond the schema (each entry says why).
 CONFIG = """
-# every check, but response times: those are measured in benchmarks/bench_api.py (an hour = off)
+# every check, but response times: those are measured by `shoal bench api` (an hour = off)
 [checks]
 enabled = true
 max_response_time = 3600

@@ -33,6 +33,9 @@ def test_quick_bench_writes_json_figures_and_report(tmp_path: Path, base_image: 
         assert sc["docker"] != "ran"
     p50 = next(m for m in doc["scenarios"]["exec"]["metrics"] if m["name"].startswith("exec round trip p50"))
     assert p50["unit"] == "ms" and p50["shoal"] > 0
+    assert any(m["name"].startswith("exec round trip p50, agent alone") for m in doc["scenarios"]["exec"]["metrics"])
+    # each scenario records the parameters it ran with: here the --quick values
+    assert doc["scenarios"]["exec"]["params"]["rtt"] == 200 and doc["scenarios"]["disk"]["params"]["n"] == 20
     figures = sorted(p.name for p in img.iterdir())
     assert "create_latency_cdf.png" in figures and "exec_rtt_cdf.png" in figures
     assert all((img / f).stat().st_size > 1000 for f in figures)

@@ -1,5 +1,5 @@
-"""What every scenario gets: an embedded node on a private SHOAL_HOME, the Docker engine (if any),
-the sizes for --quick or full runs, and progress reporting."""
+"""What every scenario gets besides its parameters: an embedded node on a private SHOAL_HOME, the Docker engine
+(if any), where figures go, and progress reporting."""
 
 from __future__ import annotations
 
@@ -23,51 +23,14 @@ T = TypeVar("T")
 
 
 @dataclass
-class Sizes:
-    """How much work each scenario does (full run vs --quick)."""
-
-    create_seq: int = 200
-    create_seq_docker: int = 30
-    sustained_s: float = 10.0
-    sustained_concurrency: tuple[int, ...] = (1, 8, 32)
-    sustained_docker_s: float = 15.0
-    pool_size: int = 64
-    burst: int = 1000
-    burst_docker: int = 1000
-    docker_budget_s: float = 180.0
-    exec_rtt: int = 1000
-    exec_rtt_docker: int = 200
-    exec_sandboxes: int = 100
-    exec_sandboxes_docker: int = 20
-    exec_throughput_s: float = 5.0
-    exec_concurrency: int = 32
-    density_target: int = 5000
-    density_step: int = 250
-    density_docker_target: int = 300
-    density_docker_step: int = 50
-    disk_n: int = 100
-    disk_n_docker: int = 30
-    external_n: int | None = None  # None: the other scenarios' own defaults
-
-    @classmethod
-    def quick(cls) -> Sizes:
-        """About a minute in all (sandbox scenarios; the others' own quick sizes)."""
-        return cls(create_seq=20, create_seq_docker=5, sustained_s=3.0, sustained_concurrency=(16,), pool_size=16,
-                   sustained_docker_s=4.0, burst=100, burst_docker=20, docker_budget_s=30.0, exec_rtt=200,
-                   exec_rtt_docker=30, exec_sandboxes=10, exec_sandboxes_docker=5, exec_throughput_s=2.0,
-                   exec_concurrency=16, density_target=200, density_step=100, density_docker_target=20,
-                   density_docker_step=10, disk_n=20, disk_n_docker=5, external_n=10)
-
-
-@dataclass
 class BenchContext:
     """Shared state of one `shoal bench` run."""
 
     client: shoal.Client
     node: Node
     home: Path
+    #: the run was asked for --quick (each scenario's parameters already hold their quick values)
     quick: bool
-    sizes: Sizes
     console: Console
     docker: DockerEngine | None = None
     #: why there is no Docker engine ("" when there is one)

@@ -1,51 +1,72 @@
-"""The scenario registry: name → async function taking a BenchContext and returning a ScenarioResult."""
+"""Which scenarios exist: name → the module that defines its `SCENARIO` (one line each).
+
+Adding a scenario is a module under `shoal/bench/scenarios/` with a `SCENARIO = Scenario(...)` and one line
+in `SCENARIOS` below (its place there is its place in a plain `shoal bench` run). Modules are imported only
+when a scenario is run or listed, so a scenario's dependencies cost nothing to the others.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import importlib
+from typing import Any
 
-if TYPE_CHECKING:
-    from shoal.bench.context import BenchContext
-    from shoal.bench.results import ScenarioResult
+from shoal.bench.scenario import Scenario
 
-ScenarioFn = Callable[["BenchContext"], Awaitable["ScenarioResult"]]
+SCENARIOS: dict[str, str] = {
+    "create": "shoal.bench.scenarios.create",
+    "exec": "shoal.bench.scenarios.exec_",
+    "density": "shoal.bench.scenarios.density",
+    "disk": "shoal.bench.scenarios.disk",
+    "lazy": "shoal.bench.scenarios.lazy",
+    "fork": "shoal.bench.scenarios.fork",
+    "pause": "shoal.bench.scenarios.pause",
+    "fncall": "shoal.bench.scenarios.fncall",
+    "vm": "shoal.bench.scenarios.vm",
+    "api": "shoal.bench.scenarios.api",
+}
 
-
-@dataclass
-class Scenario:
-    """One benchmark scenario."""
-
-    name: str
-    title: str
-    fn: ScenarioFn
-    #: whether the scenario compares with Docker (then it gets the private engine when there is one)
-    uses_docker: bool = True
-
-
-SCENARIOS: dict[str, Scenario] = {}
-#: the order `shoal bench` runs them in when none are named
-DEFAULT_ORDER = ["create", "exec", "density", "disk", "lazy", "fork", "pause", "fncall", "vm", "api"]
+#: other names users reach for (the image issue speaks of `shoal bench image`)
+ALIASES: dict[str, str] = {"image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
+                           "api-server": "api"}
 
 
-def scenario(name: str, title: str, uses_docker: bool = True) -> Callable[[ScenarioFn], ScenarioFn]:
-    """Register an async scenario function under `name`."""
-    def deco(fn: ScenarioFn) -> ScenarioFn:
-        SCENARIOS[name] = Scenario(name, title, fn, uses_docker)
-        return fn
-
-    return deco
+class UnknownScenario(ValueError):
+    """A scenario name that is neither registered nor an alias."""
 
 
-#: the modules that define scenarios (imported by name: they import this module to register themselves)
-MODULES = ["create", "density", "disk", "exec_", "external"]
+def get(name: str) -> Scenario[Any]:
+    """The scenario registered as `name` (or an alias of it)."""
+    name = ALIASES.get(name, name)
+    if name not in SCENARIOS:
+        raise UnknownScenario(f"unknown scenario(s) {name}; known: {', '.join(SCENARIOS)}")
+    scen = importlib.import_module(SCENARIOS[name]).SCENARIO
+    if not isinstance(scen, Scenario) or scen.name != name:
+        raise TypeError(f"{SCENARIOS[name]}.SCENARIO must be a Scenario named {name!r}")
+    return scen
 
 
-def load_all() -> dict[str, Scenario]:
-    """Import the scenario modules (each registers itself) and return the registry."""
-    import importlib
+def resolve(names: list[str] | None) -> list[str]:
+    """Canonical names for `names` (aliases resolved, duplicates dropped); the default run when empty."""
+    if not names:
+        return default_names()
+    out: list[str] = []
+    bad = []
+    for n in names:
+        c = ALIASES.get(n, n)
+        if c not in SCENARIOS:
+            bad.append(n)
+        elif c not in out:
+            out.append(c)
+    if bad:
+        raise UnknownScenario(f"unknown scenario(s) {', '.join(bad)}; known: {', '.join(SCENARIOS)}")
+    return out
 
-    for m in MODULES:
-        importlib.import_module(f"shoal.bench.scenarios.{m}")
-    return SCENARIOS
+
+def default_names() -> list[str]:
+    """The scenarios a plain `shoal bench` runs, in order."""
+    return [n for n in SCENARIOS if get(n).default_run]
+
+
+def load_all() -> dict[str, Scenario[Any]]:
+    """Every registered scenario (imports every scenario module)."""
+    return {n: get(n) for n in SCENARIOS}

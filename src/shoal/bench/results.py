@@ -67,6 +67,8 @@ class ScenarioResult:
     docker: str = "not applicable"
     error: str | None = None
     seconds: float = 0.0
+    #: the parameters the scenario ran with (filled in by the runner)
+    params: dict[str, Any] = field(default_factory=dict)
 
     def add(self, *metrics: Metric) -> None:
         """Append metric rows."""
@@ -76,7 +78,7 @@ class ScenarioResult:
         """JSON-friendly form."""
         return {"name": self.name, "title": self.title, "metrics": [m.to_dict() for m in self.metrics],
                 "data": self.data, "figures": self.figures, "notes": self.notes, "docker": self.docker,
-                "error": self.error, "seconds": round(self.seconds, 2)}
+                "error": self.error, "seconds": round(self.seconds, 2), "params": self.params}
 
 
 def fmt_value(v: float | None, unit: str = "") -> str:

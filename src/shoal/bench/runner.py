@@ -20,10 +20,10 @@ from typing import Any
 
 from rich.console import Console
 
-from shoal.bench import host
-from shoal.bench.context import BenchContext, Sizes, make_progress
-from shoal.bench.registry import DEFAULT_ORDER, load_all
+from shoal.bench import host, registry
+from shoal.bench.context import BenchContext, make_progress
 from shoal.bench.results import ScenarioResult
+from shoal.bench.scenario import Scenario, params_dict
 from shoal.config import settings
 from shoal.host.spawn import run_sync
 
@@ -38,8 +38,30 @@ def raise_nofile() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def _unknown(names: list[str], known: dict[str, Any]) -> list[str]:
-    return [n for n in names if n not in known]
+def split_overrides(pairs: list[str], names: list[str]) -> dict[str, dict[str, str]]:
+    """`-p key=value` / `-p scenario.key=value` strings as {scenario: {key: value}} for the scenarios `names`;
+    a bare key goes to every named scenario that declares it (an error when none does)."""
+    from shoal.bench.scenario import ParamError
+
+    out: dict[str, dict[str, str]] = {n: {} for n in names}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ParamError(f"-p {pair!r}: write KEY=VALUE or SCENARIO.KEY=VALUE")
+        scen, dot, k = key.rpartition(".")
+        if dot:
+            scen = registry.ALIASES.get(scen, scen)
+            if scen not in out:
+                raise ParamError(f"-p {pair!r}: scenario {scen!r} is not among those run ({', '.join(names)})")
+            out[scen][k] = value
+            continue
+        takers = [n for n in names if any(p.name == k for p in registry.get(n).describe())]
+        if not takers:
+            raise ParamError(f"-p {pair!r}: none of {', '.join(names)} has a parameter {k!r} "
+                             "(`shoal bench NAME --list` shows them)")
+        for n in takers:
+            out[n][k] = value
+    return out
 
 
 def leaks(home: Path) -> dict[str, list[str]]:
@@ -66,14 +88,14 @@ def leaks(home: Path) -> dict[str, list[str]]:
     return out
 
 
-async def _run_one(ctx: BenchContext, name: str) -> ScenarioResult:
-    scen = load_all()[name]
+async def _run_one(ctx: BenchContext, scen: Scenario[Any], params: Any) -> ScenarioResult:
+    name = scen.name
     t0 = time.monotonic()
     all0, idle0 = host.cpu_times()
     own0 = host.own_cpu_seconds()
     ctx.console.rule(f"[bold]{name}[/bold] — {scen.title}")
     try:
-        res = await scen.fn(ctx)
+        res = await scen.run(ctx, params)
     except Exception as e:  # one scenario failing must not lose the others' results
         import traceback
 
@@ -82,6 +104,7 @@ async def _run_one(ctx: BenchContext, name: str) -> ScenarioResult:
         res.data["traceback"] = traceback.format_exc()[-4000:]
         ctx.console.print(f"  [red]failed:[/red] {res.error}")
     res.title = res.title or scen.title
+    res.params = params_dict(params)
     res.seconds = time.monotonic() - t0
     # how busy the machine was meanwhile, and how much of it was this benchmark's node (+ crun): the rest
     # is other work on the host (and Docker's daemons during the Docker parts)
@@ -138,8 +161,10 @@ def _start_docker(ctx_console: Console, node: Any, image: str) -> tuple[Any, Any
 async def run_bench(names: list[str] | None = None, *, json_path: Path | None = None, plot_dir: Path | None = None,
                     quick: bool = False, no_docker: bool = False, home: Path | None = None,
                     markdown: Path | None = None, command: str | None = None,
-                    console: Console | None = None) -> dict[str, Any]:
-    """Run scenarios (all by default) and return the results document; writes JSON/plots/markdown when asked."""
+                    console: Console | None = None,
+                    params: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run scenarios (the default run when `names` is empty) and return the results document; writes
+    JSON/plots/markdown when asked. `params` overrides declared parameters: {scenario: {name: value}}."""
     import shoal
     from shoal.config import NodeConfig, Paths
     from shoal.images.base import ensure_base
@@ -147,11 +172,10 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     from shoal.sdk.local import LocalTransport
 
     console = console or Console()
-    registry = load_all()
-    names = names or list(DEFAULT_ORDER)
-    bad = _unknown(names, registry)
-    if bad:
-        raise SystemExit(f"unknown scenario(s): {', '.join(bad)}; known: {', '.join(DEFAULT_ORDER)}")
+    names = registry.resolve(names)
+    scens = {n: registry.get(n) for n in names}
+    # every parameter is checked before anything starts: a typo must not cost a half-hour run
+    chosen = {n: s.make_params(quick, (params or {}).get(n)) for n, s in scens.items()}
     nofile = raise_nofile()
     busy = await asyncio.to_thread(host.cpu_busy_fraction, 1.0)
     machine = host.machine_info()
@@ -169,7 +193,6 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     cfg = NodeConfig(paths=paths, memory_overcommit=1000.0)
     node = Node(cfg)
     ensure_base(node.store, log=lambda s: console.print(f"  {s}"))
-    sizes = Sizes.quick() if quick else Sizes()
     client = shoal.Client(transport=LocalTransport(node=node, reap=True))
     doc: dict[str, Any] = {"command": command or " ".join(["shoal", "bench", *sys.argv[2:]]),
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "quick": quick, "machine": machine,
@@ -178,7 +201,7 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     docker = None
     docker_fs = None
     docker_reason = "disabled with --no-docker" if no_docker else ""
-    wants_docker = not no_docker and any(registry[n].uses_docker for n in names)
+    wants_docker = not no_docker and any(s.uses_docker for s in scens.values())
     try:
         await client.__aenter__()
         if wants_docker:
@@ -187,13 +210,13 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
                 console.print(f"[yellow]Docker is absent:[/yellow] {docker_reason} — shoal-only figures")
             else:
                 doc["docker"] = docker.info()
-        ctx = BenchContext(client=client, node=node, home=home, quick=quick, sizes=sizes, console=console,
+        ctx = BenchContext(client=client, node=node, home=home, quick=quick, console=console,
                            docker=docker, docker_reason=docker_reason, plot_dir=plot_dir)
         ctx.extra["docker_fs"] = docker_fs
         with make_progress(console) as progress:
             ctx.progress = progress
             for name in names:
-                res = await _run_one(ctx, name)
+                res = await _run_one(ctx, scens[name], chosen[name])
                 doc["scenarios"][name] = res.to_dict()
                 from shoal.bench.report import print_scenario
 

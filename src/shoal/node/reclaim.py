@@ -160,7 +160,7 @@ def setup_zram_swap(size: int | str, algorithm: str | None = None, priority: int
     offered = (sysd / "comp_algorithm").read_text().replace("[", " ").replace("]", " ").split()
     if algorithm is None:
         # ratio first: a paused sandbox's pages are compressed once and rarely read (lzo-rle beat lz4 by
-        # ~7% on program memory in benchmarks/bench_stateful.py; zstd is better still where offered)
+        # ~7% on program memory in `shoal bench pause`; zstd is better still where offered)
         algorithm = next((a for a in ("zstd", "lzo-rle", "lz4", "lzo") if a in offered),
                          offered[0] if offered else "")
     elif algorithm not in offered:
@@ -364,7 +364,7 @@ def _missing(pm_fd: int, first: int, n: int) -> list[list[int]]:
 
     Only swapped pages are worth reading ahead: a dropped page-cache page comes back from the (host)
     page cache on demand for the price of a minor fault, and reading all of them eagerly costs more
-    than it saves (measured: benchmarks/bench_stateful.py).
+    than it saves (measured: `shoal bench pause`).
     """
     raw = os.pread(pm_fd, n * 8, first * 8)
     raw = raw[: len(raw) - len(raw) % 8]

@@ -1,1 +1,2 @@
-"""The benchmark scenarios. Each module registers its scenarios with `shoal.bench.registry.scenario`."""
+"""The benchmark scenarios: one module each, defining `SCENARIO` (see `shoal.bench.scenario`), listed in
+`shoal.bench.registry`. Helper modules shared by several scenarios live here too (`common`)."""

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.bench.context import BenchContext
 from shoal.models import SandboxInfo, SandboxSpec
+
+if TYPE_CHECKING:
+    import shoal
+
+T = TypeVar("T")
 
 #: what both systems are asked for: shoal's default sandbox (1 CPU, 1 GiB, 512 pids, no network)
 SPEC_KW: dict[str, Any] = {"cpus": 1.0, "memory_mb": 1024, "pids": 512, "network": False}
@@ -106,3 +115,40 @@ def first_errors(errors: list[str], k: int = 3) -> list[str]:
         if len(seen) >= k:
             break
     return seen
+
+
+async def gather_bounded(coros: list[Awaitable[T]], limit: int = 8) -> list[T]:
+    """asyncio.gather with at most `limit` running at once (the first error is raised)."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c: Awaitable[T]) -> T:
+        async with sem:
+            return await c
+
+    return list(await asyncio.gather(*(one(c) for c in coros)))
+
+
+@contextlib.asynccontextmanager
+async def private_home(prefix: str) -> AsyncIterator[Path]:
+    """A SHOAL_HOME of its own (short path: agent sockets live in it); emptied and removed afterwards."""
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield home
+    finally:
+        from shoal.config import Paths
+        from shoal.node.teardown import teardown_home
+
+        await teardown_home(Paths.from_env(home), close_sandboxes=True)  # also what a failed run left
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def private_client(ctx: BenchContext, prefix: str) -> AsyncIterator[shoal.Client]:
+    """An embedded client on a node of its own (private SHOAL_HOME, the run's layer store), for scenarios
+    that leave node-wide state behind (warm pools) which must not reach the next scenario."""
+    import shoal
+    from shoal.sdk.local import LocalTransport
+
+    async with private_home(prefix) as home, \
+            shoal.Client(transport=LocalTransport(home=str(home), store=str(ctx.node.paths.store))) as c:
+        yield c

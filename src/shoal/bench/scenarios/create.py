@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.bench import plots
 from shoal.bench.context import BenchContext
-from shoal.bench.registry import scenario
 from shoal.bench.results import Metric, ScenarioResult, at_least, at_most
+from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import (
     Timed,
     close_all,
@@ -25,6 +26,22 @@ from shoal.bench.scenarios.common import (
 )
 from shoal.bench.stats import latency_summary, rate_timeline
 from shoal.errors import ShoalError
+
+
+@dataclass(frozen=True)
+class CreateParams:
+    """How much work the create scenario does."""
+
+    seq: int = param(200, quick=20, help="sequential creates (shoal)")
+    seq_docker: int = param(30, quick=5, help="sequential create+start (Docker)")
+    pool_size: int = param(64, quick=16, help="warm pool size for the pool-hit figures")
+    sustained_s: float = param(10.0, quick=3.0, help="seconds of each sustained-rate phase (shoal)")
+    sustained_concurrency: tuple[int, ...] = param((1, 8, 32), quick=(16,),
+                                                   help="concurrency of the sustained-rate phases")
+    sustained_docker_s: float = param(15.0, quick=4.0, help="seconds of each sustained-rate phase (Docker)")
+    burst: int = param(1000, quick=100, help="sandboxes in the create_many burst (shoal)")
+    burst_docker: int = param(1000, quick=20, help="containers in the burst (Docker)")
+    docker_budget_s: float = param(180.0, quick=30.0, help="time Docker gets per phase before it is cut short")
 
 
 async def sequential(ctx: BenchContext, n: int) -> Timed:
@@ -46,13 +63,13 @@ async def sequential(ctx: BenchContext, n: int) -> Timed:
     return out
 
 
-async def docker_sequential(ctx: BenchContext, n: int) -> Timed:
-    """`n` Docker create+start one after the other, then removed."""
+async def docker_sequential(ctx: BenchContext, n: int, budget_s: float) -> Timed:
+    """`n` Docker create+start one after the other (for at most `budget_s`), then removed."""
     out = Timed()
     t0 = time.perf_counter()
     with ctx.task(f"Docker: {n} sequential runs", n) as adv:
         for _ in range(n):
-            if time.perf_counter() - t0 > ctx.sizes.docker_budget_s:
+            if time.perf_counter() - t0 > budget_s:
                 break
             t = time.perf_counter()
             try:
@@ -153,10 +170,9 @@ async def burst(ctx: BenchContext, n: int) -> dict[str, Any]:
             "_done_at": done_at}
 
 
-async def docker_burst(ctx: BenchContext, n: int) -> dict[str, Any]:
-    """`n` Docker runs at once (the same parallelism as create_many), within the Docker time budget."""
+async def docker_burst(ctx: BenchContext, n: int, budget: float) -> dict[str, Any]:
+    """`n` Docker runs at once (the same parallelism as create_many), within `budget` seconds."""
     conc = ctx.node.config.create_concurrency
-    budget = ctx.sizes.docker_budget_s
     with ctx.task(f"Docker: burst of {n} ({conc} at a time, ≤{budget:.0f}s)", n) as adv:
         t = await closed_loop(lambda: docker_create_one(ctx), conc, budget, adv, max_items=n)
     rm_s = await docker_remove_all(ctx, t.items)
@@ -170,22 +186,20 @@ async def docker_burst(ctx: BenchContext, n: int) -> dict[str, Any]:
             "_done_at": t.done_at}
 
 
-@scenario("create", "create-to-ready latency, sustained creates/s, 1,000-sandbox burst")
-async def run(ctx: BenchContext) -> ScenarioResult:
+async def run(ctx: BenchContext, sz: CreateParams) -> ScenarioResult:
     """The create scenario (see the module docstring)."""
-    sz = ctx.sizes
     res = ScenarioResult("create", docker=ctx.docker_status)
     d = res.data
     # warm-up: first use mounts the image's layers and the upper pool; not part of any figure
     await close_all(ctx, [(await create_one(ctx)).id], "warm-up")
 
-    seq = await sequential(ctx, sz.create_seq)
+    seq = await sequential(ctx, sz.seq)
     d["sequential"] = {"shoal": latency_summary(seq.latencies), "errors": first_errors(seq.errors),
                        "shoal_ms": [round(x * 1000, 3) for x in seq.latencies]}
     dseq = None
     if ctx.docker:
         await docker_remove_all(ctx, [await docker_create_one(ctx)], "Docker warm-up")
-        dseq = await docker_sequential(ctx, sz.create_seq_docker)
+        dseq = await docker_sequential(ctx, sz.seq_docker, sz.docker_budget_s)
         d["sequential"]["docker"] = latency_summary(dseq.latencies)
         d["sequential"]["docker_ms"] = [round(x * 1000, 3) for x in dseq.latencies]
     s50 = d["sequential"]["shoal"].get("p50_ms")
@@ -247,7 +261,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
     db = None
     done_docker: list[float] = []
     if ctx.docker:
-        db = await docker_burst(ctx, sz.burst_docker)
+        db = await docker_burst(ctx, sz.burst_docker, sz.docker_budget_s)
         done_docker = db.pop("_done_at")
         db["done_at_s"] = [round(x, 4) for x in done_docker]
         d["burst_docker"] = db
@@ -286,3 +300,6 @@ async def run(ctx: BenchContext) -> ScenarioResult:
                                              "burst: time from burst start until each sandbox is ready",
                                              "ms since the burst started"))
     return res
+
+
+SCENARIO = Scenario("create", "create-to-ready latency, sustained creates/s, 1,000-sandbox burst", run, CreateParams)

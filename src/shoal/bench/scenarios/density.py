@@ -16,17 +16,29 @@ import contextlib
 import gc
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shoal.bench import host, plots
 from shoal.bench.context import BenchContext
 from shoal.bench.docker import process_tree_rss
-from shoal.bench.registry import scenario
 from shoal.bench.results import Metric, ScenarioResult, at_least, at_most
+from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import close_all, docker_create_one, docker_remove_all, first_errors, spec
 from shoal.bench.stats import latency_summary, linear_slope
 from shoal.errors import ShoalError
+
+
+@dataclass(frozen=True)
+class DensityParams:
+    """How far the density scenario goes."""
+
+    target: int = param(5000, quick=200, help="idle sandboxes to reach (it stops earlier when memory runs low)")
+    step: int = param(250, quick=100, help="sandboxes added between two memory readings")
+    docker_target: int = param(300, quick=20, help="idle containers to reach (Docker)")
+    docker_step: int = param(50, quick=10, help="containers added between two memory readings")
+    docker_budget_s: float = param(180.0, quick=60.0, help="time Docker gets before it is cut short (at least 60)")
 
 MIB = 2**20
 #: stop adding sandboxes when the host has less memory available than this
@@ -152,15 +164,15 @@ def _kib(mib_per_item: float | None) -> float | None:
     return round(mib_per_item * 1024, 1) if mib_per_item is not None else None
 
 
-async def docker_density(ctx: BenchContext, target: int, step: int) -> dict[str, Any]:
-    """The same with Docker containers running `sleep infinity`, within the Docker time budget."""
+async def docker_density(ctx: BenchContext, target: int, step: int, budget_s: float) -> dict[str, Any]:
+    """The same with Docker containers running `sleep infinity`, within `budget_s` (at least 60 s)."""
     assert ctx.docker is not None
     base = await _settle(2.0)
     cids: list[str] = []
     points: list[dict[str, Any]] = []
     errors: list[str] = []
     t0 = time.perf_counter()
-    budget = max(ctx.sizes.docker_budget_s, 60.0)
+    budget = max(budget_s, 60.0)
     stop_reason = f"reached the target of {target}"
     with ctx.task(f"Docker: up to {target} idle containers (≤{budget:.0f}s)", target) as adv:
         while len(cids) < target:
@@ -187,24 +199,22 @@ async def docker_density(ctx: BenchContext, target: int, step: int) -> dict[str,
             "remove_all_s": round(rm_s, 1)}
 
 
-@scenario("density", "idle sandboxes alive at once, and the host memory each costs")
-async def run(ctx: BenchContext) -> ScenarioResult:
+async def run(ctx: BenchContext, sz: DensityParams) -> ScenarioResult:
     """The density scenario (see the module docstring)."""
-    sz = ctx.sizes
     res = ScenarioResult("density", docker=ctx.docker_status)
     res.data["limits"] = host.kernel_limits()
-    s = await shoal_density(ctx, sz.density_target, sz.density_step)
+    s = await shoal_density(ctx, sz.target, sz.step)
     res.data["shoal"] = s
     dk: dict[str, Any] = {}
     if ctx.docker:
-        dk = await docker_density(ctx, sz.density_docker_target, sz.density_docker_step)
+        dk = await docker_density(ctx, sz.docker_target, sz.docker_step, sz.docker_budget_s)
         res.data["docker"] = dk
     per = s["per_sandbox_kib_slope"]
     per_mib = per / 1024 if per is not None else None
     dper = dk.get("per_container_kib_slope")
     res.add(Metric("idle sandboxes alive at once", s["alive_after_settle"], dk.get("created") if dk else None, "",
-                   better="higher", target=f"≥ {5000 if sz.density_target >= 5000 else sz.density_target}",
-                   met=at_least(s["alive_after_settle"], 5000 if sz.density_target >= 5000 else sz.density_target),
+                   better="higher", target=f"≥ {min(5000, sz.target)}",
+                   met=at_least(s["alive_after_settle"], min(5000, sz.target)),
                    note=f"shoal: {s['stop_reason']}" + (f"; Docker: {dk['stop_reason']}" if dk else "")),
             Metric("host memory per idle sandbox (slope)", per_mib, dper / 1024 if dper is not None else None, "MiB",
                    target="≤ 1 MiB", met=at_most(per_mib, 1.0)),
@@ -217,7 +227,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
                    "ms"))
     res.notes.append("per-sandbox breakdown (KiB, slopes): " + ", ".join(
         f"{k.removesuffix('_mib')} {v}" for k, v in s["breakdown_kib_per_sandbox"].items()))
-    if dk and dk["created"] < sz.density_docker_target:
+    if dk and dk["created"] < sz.docker_target:
         res.notes.append(f"Docker stopped at {dk['created']} containers: {dk['stop_reason']}")
     if ctx.plot_dir:
         series = {"shoal": ([p["n"] for p in s["points"]], [p["used_mib"] for p in s["points"]])}
@@ -226,3 +236,6 @@ async def run(ctx: BenchContext) -> ScenarioResult:
         res.figures.append(plots.memory_vs_count(ctx.figure_path("density_memory.png"), series,
                                                  "host memory used vs idle sandboxes (page cache excluded)"))
     return res
+
+
+SCENARIO = Scenario("density", "idle sandboxes alive at once, and the host memory each costs", run, DensityParams)

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shoal.bench import host, plots
 from shoal.bench.context import BenchContext
-from shoal.bench.registry import scenario
 from shoal.bench.results import Metric, ScenarioResult, at_most
+from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import docker_create_one, docker_remove_all, first_errors, spec
 from shoal.errors import ShoalError
 
 KIB = 1024
+
+
+@dataclass(frozen=True)
+class DiskParams:
+    """How many sandboxes the disk scenario counts writes over."""
+
+    n: int = param(100, quick=20, help="sandboxes created (shoal)")
+    n_docker: int = param(30, quick=5, help="containers created (Docker)")
 
 
 async def _synced_bytes(read: Any) -> int:
@@ -99,16 +108,14 @@ async def docker_disk(ctx: BenchContext, n: int) -> dict[str, Any]:
             "create_s": round(create_s, 2)}
 
 
-@scenario("disk", "bytes written to disk per created sandbox")
-async def run(ctx: BenchContext) -> ScenarioResult:
+async def run(ctx: BenchContext, sz: DiskParams) -> ScenarioResult:
     """The disk scenario (see the module docstring)."""
-    sz = ctx.sizes
     res = ScenarioResult("disk", docker=ctx.docker_status)
-    s = await shoal_disk(ctx, sz.disk_n)
+    s = await shoal_disk(ctx, sz.n)
     res.data["shoal"] = s
     dk: dict[str, Any] = {}
     if ctx.docker:
-        dk = await docker_disk(ctx, sz.disk_n_docker)
+        dk = await docker_disk(ctx, sz.n_docker)
         res.data["docker"] = dk
     sk = s["per_sandbox_create_kib"]
     dkk = dk.get("per_container_create_kib")
@@ -127,3 +134,6 @@ async def run(ctx: BenchContext) -> ScenarioResult:
                                        "Docker": [dkk, dk["per_container_lifecycle_kib"]]},
                                       "bytes written to disk per sandbox (log scale)", "KiB per sandbox", log=True))
     return res
+
+
+SCENARIO = Scenario("disk", "bytes written to disk per created sandbox", run, DiskParams)

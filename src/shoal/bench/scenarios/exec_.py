@@ -2,18 +2,26 @@
 
 shoal: the node's exec (agent protocol over the sandbox's Unix socket) of argv ["true"]. Docker: the
 Engine API's exec (create, start attached until EOF, inspect for the exit code) of the same argv —
-what `docker exec` and docker-py's exec_run do.
+what `docker exec` and docker-py's exec_run do. Also the agent alone: the same round trip to the agent
+binary run as a plain host process (no sandbox, no node), which is the floor the sandbox figure sits on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
+import shutil
+import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from shoal.bench import plots
 from shoal.bench.context import BenchContext
-from shoal.bench.registry import scenario
 from shoal.bench.results import Metric, ScenarioResult, at_most
+from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import (
     Timed,
     close_all,
@@ -28,6 +36,53 @@ from shoal.bench.stats import latency_summary
 from shoal.errors import ShoalError
 
 TRUE = ["true"]
+
+
+@dataclass(frozen=True)
+class ExecParams:
+    """How much work the exec scenario does."""
+
+    rtt: int = param(1000, quick=200, help="sequential round trips of `true` in one sandbox (shoal)")
+    rtt_docker: int = param(200, quick=30, help="sequential `docker exec true` round trips")
+    agent_rtt: int = param(1000, quick=200, help="round trips to the agent run as a host process (0: skip)")
+    sandboxes: int = param(100, quick=10, help="sandboxes the throughput phase spreads execs over (shoal)")
+    sandboxes_docker: int = param(20, quick=5, help="containers the throughput phase spreads execs over")
+    throughput_s: float = param(5.0, quick=2.0, help="seconds of the throughput phase")
+    concurrency: int = param(32, quick=16, help="execs in flight in the throughput phase")
+
+
+async def agent_alone(ctx: BenchContext, n: int) -> Timed:
+    """Round trips of `true` to the agent binary started as a plain host process on a private socket."""
+    from shoal.agentbin import find_agent_binary
+    from shoal.agentproto import AgentClient
+
+    d = Path(tempfile.mkdtemp(prefix="sba-", dir="/tmp"))  # short: Unix socket paths are limited to 108 bytes
+    sock = d / "a.sock"
+    proc = subprocess.Popen([str(find_agent_binary()), "--listen", str(sock)], start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        for _ in range(1500):
+            if sock.exists() or proc.poll() is not None:
+                break
+            await asyncio.sleep(0.01)
+        client = await AgentClient.connect_unix(str(sock))
+        try:
+            async def call() -> None:
+                r = await client.exec(TRUE)
+                if r.exit_code != 0:
+                    raise ShoalError(f"true exited {r.exit_code}")
+
+            return await _rtt(ctx, n, call, "agent alone")
+        finally:
+            await client.close()
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 async def _rtt(ctx: BenchContext, n: int, call, label: str) -> Timed:
@@ -47,10 +102,8 @@ async def _rtt(ctx: BenchContext, n: int, call, label: str) -> Timed:
     return out
 
 
-@scenario("exec", "exec round trip of `true`; throughput of small execs across many sandboxes")
-async def run(ctx: BenchContext) -> ScenarioResult:
+async def run(ctx: BenchContext, sz: ExecParams) -> ScenarioResult:
     """The exec scenario (see the module docstring)."""
-    sz = ctx.sizes
     res = ScenarioResult("exec", docker=ctx.docker_status)
     d = res.data
     node = ctx.node
@@ -62,7 +115,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
             if r.exit_code != 0:
                 raise ShoalError(f"true exited {r.exit_code}")
 
-        rtt = await _rtt(ctx, sz.exec_rtt, shoal_true, "shoal")
+        rtt = await _rtt(ctx, sz.rtt, shoal_true, "shoal")
     finally:
         await close_all(ctx, [sid], "closing")
     d["round_trip"] = {"shoal": latency_summary(rtt.latencies), "errors": first_errors(rtt.errors),
@@ -76,7 +129,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
                 if code != 0:
                     raise RuntimeError(f"true exited {code}")
 
-            drtt = await _rtt(ctx, sz.exec_rtt_docker, docker_true, "Docker")
+            drtt = await _rtt(ctx, sz.rtt_docker, docker_true, "Docker")
         finally:
             await docker_remove_all(ctx, [cid])
         d["round_trip"]["docker"] = latency_summary(drtt.latencies)
@@ -86,9 +139,16 @@ async def run(ctx: BenchContext) -> ScenarioResult:
     res.add(Metric("exec round trip p50 (`true`)", s.get("p50_ms"), dk.get("p50_ms"), "ms", target="≤ 3 ms",
                    met=at_most(s.get("p50_ms"), 3)),
             Metric("exec round trip p99 (`true`)", s.get("p99_ms"), dk.get("p99_ms"), "ms"))
+    if sz.agent_rtt:
+        alone = await agent_alone(ctx, sz.agent_rtt)
+        d["round_trip"]["agent_alone"] = latency_summary(alone.latencies)
+        d["round_trip"]["agent_alone_errors"] = first_errors(alone.errors)
+        res.add(Metric("exec round trip p50, agent alone (host process: no sandbox, no node)",
+                       d["round_trip"]["agent_alone"].get("p50_ms"), None, "ms",
+                       note="the protocol's floor under the sandbox figure"))
 
     # throughput over many sandboxes
-    n_sb, conc, dur = sz.exec_sandboxes, sz.exec_concurrency, sz.exec_throughput_s
+    n_sb, conc, dur = sz.sandboxes, sz.concurrency, sz.throughput_s
     with ctx.task(f"shoal: creating {n_sb} sandboxes", n_sb) as adv:
         infos = await node.create_many(spec(ctx), n_sb, on_done=lambda _r: adv())
     ids = [i.id for i in infos if not isinstance(i, ShoalError)]
@@ -103,7 +163,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
                                  "latency": latency_summary(tp.latencies), "errors": first_errors(tp.errors)}}
     dtp = None
     if ctx.docker:
-        n_d = sz.exec_sandboxes_docker
+        n_d = sz.sandboxes_docker
         with ctx.task(f"Docker: starting {n_d} containers", n_d) as adv:
             cids = [c for c in await ctx.bounded([docker_create_one(ctx) for _ in range(n_d)], 8, adv)
                     if isinstance(c, str)]
@@ -136,3 +196,7 @@ async def run(ctx: BenchContext) -> ScenarioResult:
         res.figures.append(plots.latency_cdf(ctx.figure_path("exec_load_cdf.png"), series,
                                              f"exec latency with {conc} concurrent execs over many sandboxes"))
     return res
+
+
+SCENARIO = Scenario("exec", "exec round trip of `true`; throughput of small execs across many sandboxes", run,
+                    ExecParams)
