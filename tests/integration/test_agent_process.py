@@ -18,8 +18,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from shoal.errors import (
     ShellNotFound,
     Unauthorized,
 )
+from tests.waiting import async_wait_for, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 # SHOAL_AGENT_BIN (as in shoal.agentbin) lets the suite run against another build, e.g. one with
@@ -95,14 +97,41 @@ def alive(pid: int) -> bool:
     return data[data.rfind(")") + 2] not in "ZX"
 
 
-def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
-    """Wait until none of pids is alive; return those still alive at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until none of pids is alive; return those still alive at the deadline (for the assertion)."""
+    left = list(pids)
+
+    def gone() -> bool:
+        left[:] = [p for p in pids if alive(p)]
+        return not left
+
+    with contextlib.suppress(pytest.fail.Exception):
+        wait_for(gone, timeout, what=f"processes {pids} to end")
+    return left
+
+
+def _comm(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return ""
+
+
+def _wchan(pid: int) -> str:
+    """The kernel function a sleeping process waits in (e.g. pipe_write)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/wchan").read_text().strip()
+    return ""
+
+
+async def _sleeping(client: AgentClient, arg: str | None = None) -> list[dict]:
+    """The agent's `sleep` processes (those whose command line holds `arg`, when given)."""
+    return [p for p in await client.ps() if p["comm"] == "sleep" and (arg is None or arg in _cmdline(p["pid"]))]
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
 
 
 def rss_kib(pid: int, field: str = "VmHWM") -> int:
@@ -147,12 +176,13 @@ def start_agent(
         start_new_session=True,
         env={**os.environ, **(env or {})},
     )
-    deadline = time.monotonic() + 15
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
+    try:
+        wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 15, what="the agent's socket")
+    finally:
+        if not os.path.exists(sock):
             proc.kill()
-            raise RuntimeError(f"agent did not start (exit {proc.poll()})")
-        time.sleep(0.005)
+    if proc.poll() is not None:
+        raise RuntimeError(f"agent did not start (exit {proc.poll()})")
     return Agent(proc, sock, d)
 
 
@@ -414,15 +444,24 @@ async def test_timeout_kills_the_whole_tree_but_not_the_agent(client: AgentClien
         sh -c 'trap "" TERM INT HUP; sleep 103' & echo $! >> {pidfile}
         sleep 104
     """
-    t0 = time.monotonic()
     r = await client.exec(["bash", "-c", script], timeout=0.5)
     assert r.timed_out and r.exit_code == 137 and r.signal == 9
-    assert time.monotonic() - t0 < 3
     pids = [int(x) for x in pidfile.read_text().split()]
     assert len(pids) == 4
     assert wait_gone(pids) == []
     assert agent.proc.poll() is None
     assert (await client.exec(["echo", "still here"])).stdout == b"still here\n"
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    """Processes with `text` anywhere in their command line."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{d}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(d))
+    return found
 
 
 def _procs_with_arg(arg: str) -> list[int]:
@@ -443,9 +482,10 @@ async def test_timeout_wins_against_a_fork_loop(client: AgentClient) -> None:
     # Forks as fast as it can (double forks: every child is orphaned at once) until killed.
     r = await client.exec(["sh", "-c", f"while :; do (sleep {marker} &); done"], timeout=0.5)
     assert r.timed_out
-    left = wait_gone(_procs_with_arg(marker), 5)
+    left = wait_gone(_procs_with_arg(marker), 10)
     assert left == [], f"{len(left)} processes escaped the timeout"
-    await asyncio.sleep(0.3)
+    # none of the loop's shells is left either (one would fork new sleeps): the loop cannot come back
+    await async_wait_for(lambda: not _procs_mentioning(marker), what="every process of the fork loop to end")
     assert _procs_with_arg(marker) == []
 
 
@@ -458,10 +498,9 @@ async def test_background_server_survives_and_serves_later_execs(client: AgentCl
         "while True:\n"
         "    c, _ = s.accept(); c.sendall(b'pong'); c.close()\n"
     )
-    t0 = time.monotonic()
+    # the exec returns while the server it started runs on (timed out: it waited for it)
     r = await client.exec(["sh", "-c", f"python3 -c \"{server}\" > /dev/null 2>&1 &"], timeout=10)
     assert r.ok and not r.timed_out
-    assert time.monotonic() - t0 < 2
     client_code = (
         "import socket, time\n"
         "for _ in range(200):\n"
@@ -474,12 +513,14 @@ async def test_background_server_survives_and_serves_later_execs(client: AgentCl
     assert r.stdout == b"pong\n"
 
 
-async def test_background_job_holding_the_pipes_does_not_hold_the_exec(client: AgentClient) -> None:
-    t0 = time.monotonic()
-    r = await client.exec(["sh", "-c", "echo started; (sleep 3; echo late) & exit 0"])
-    took = time.monotonic() - t0
-    assert r.ok and r.stdout == b"started\n"
-    assert took < 1.5, f"exec waited {took:.2f}s for a background job"
+async def test_background_job_holding_the_pipes_does_not_hold_the_exec(client: AgentClient, agent: Agent) -> None:
+    go = agent.dir / "go"
+    # the background job holds stdout until the test creates `go`, which it does only after the exec
+    # returned: an exec waiting for the pipes to close would time out instead
+    r = await client.exec(["sh", "-c", f"echo started; (while [ ! -e {go} ]; do sleep 0.01; done; echo late) & exit 0"],
+                          timeout=30)
+    assert r.ok and not r.timed_out and r.stdout == b"started\n"
+    go.touch()
 
 
 async def test_output_cap_truncates_and_agent_memory_stays_bounded(client: AgentClient, agent: Agent) -> None:
@@ -500,7 +541,11 @@ async def test_slow_client_gets_backpressure_not_agent_bloat(agent: Agent) -> No
         raw.req(1, "hello", version=1)
         assert raw.until_end(1)[0].type == F.RESP
         raw.req(2, "exec", argv=["head", "-c", str(total), "/dev/zero"], max_output=0)
-        await asyncio.sleep(1.0)  # not reading: the agent must stop reading the pipe
+        # not reading: the agent must stop reading the pipe, so `head` ends up blocked writing to it
+        head = await async_wait_for(lambda: [p for p in descendants(agent.pid) if _comm(p) == "head"],
+                                    what="the agent to start head")
+        await async_wait_for(lambda: _wchan(head[0]).endswith("pipe_write"),
+                             what="head to block on a full pipe (the agent stopped reading it)")
         assert_memory_below(agent.pid, 24, "VmRSS")
         got = 0
         while True:
@@ -545,10 +590,11 @@ async def test_tty_interactive_bash_round_trip_resize_and_ctrl_c(client: AgentCl
     await _read_until(h, b"40 120")
     # SIGINT goes to the terminal's foreground job (sleep); bash -i survives it.
     await h.write_stdin(b"sleep 100\n")
-    await asyncio.sleep(0.3)
+    sleeper = await async_wait_for(lambda: _sleeping(client, "100"), what="bash to start `sleep 100`")
     await h.send_signal(signal.SIGINT)
     await h.write_stdin(b"echo status-$?\n")
     await _read_until(h, b"status-130")
+    assert wait_gone([sleeper[0]["pid"]]) == [], "SIGINT did not reach the foreground job"
     await h.write_stdin(b"exit 5\n")
     r = await asyncio.wait_for(h.wait(), 10)
     assert r.exit_code == 5
@@ -567,10 +613,17 @@ async def test_tty_python_repl(client: AgentClient) -> None:
 
 async def test_signals_reach_the_process_group(client: AgentClient) -> None:
     h = await client.exec_stream(["sh", "-c", "sleep 100 & sleep 100; echo never"])
-    await asyncio.sleep(0.2)
+    sleepers = await async_wait_for(lambda: _two(_sleeping(client, "100")), what="both sleeps to start")
     await h.send_signal(signal.SIGTERM)
     r = await asyncio.wait_for(h.wait(), 5)
     assert (r.exit_code, r.signal) == (143, 15)
+    # the background sleep is in the group too
+    assert wait_gone([p["pid"] for p in sleepers]) == []
+
+
+async def _two(procs: Awaitable[list[dict]]) -> list[dict]:
+    got = await procs
+    return got if len(got) == 2 else []
 
 
 async def test_many_concurrent_execs_on_one_connection(client: AgentClient) -> None:
@@ -594,30 +647,29 @@ async def test_no_output_is_lost_when_hundreds_of_execs_end_at_once(client: Agen
 
 
 async def test_detached_exec_returns_pid_at_once(client: AgentClient, agent: Agent) -> None:
-    marker = agent.dir / "detached"
-    t0 = time.monotonic()
-    pid = await client.exec_detached(["sh", "-c", f"sleep 0.3; echo ok > {marker}; sleep 100"])
-    assert time.monotonic() - t0 < 0.25
-    assert alive(pid)
-    for _ in range(100):
-        if marker.exists():
-            break
-        await asyncio.sleep(0.02)
-    assert marker.read_text() == "ok\n"
+    marker, go = agent.dir / "detached", agent.dir / "go"
+    # the command waits for `go`, made only once the call returned: a call waiting for it would time out
+    pid = await asyncio.wait_for(client.exec_detached(
+        ["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.01; done; echo ok > {marker}; sleep 100"]), 30)
+    assert alive(pid) and not marker.exists()
+    go.touch()
+    await async_wait_for(lambda: marker.exists() and marker.read_text() == "ok\n", what="the detached command's output")
     pid2 = await client.exec_detached(["sleep", "100"], timeout=0.2)
     assert wait_gone([pid2], 3) == []
 
 
 async def test_closing_the_connection_does_not_kill_processes(agent: Agent) -> None:
-    marker = agent.dir / "done"
+    marker, started, go = agent.dir / "done", agent.dir / "started", agent.dir / "go"
     c = await agent.connect()
-    h = await c.exec_stream(["sh", "-c", f"sleep 0.5; echo x; echo done > {marker}"])
-    await asyncio.sleep(0.1)
+    h = await c.exec_stream(["sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.01; done; "
+                                         f"echo x; echo done > {marker}"])
+    await async_wait_for(started.exists, what="the command to start")
     await c.close()
     with pytest.raises(SandboxError):
         await h.wait()
-    await asyncio.sleep(1.0)
-    assert marker.read_text() == "done\n"
+    go.touch()  # only now may the command go on: it must have outlived the connection
+    await async_wait_for(lambda: marker.exists() and marker.read_text() == "done\n",
+                         what="the command to finish after its connection closed")
     c2 = await agent.connect()
     try:
         assert (await c2.exec(["true"])).ok
@@ -630,8 +682,8 @@ async def test_agent_death_fails_pending_requests_promptly(agent: Agent) -> None
     orphans: set[int] = set()
     try:
         pending = asyncio.ensure_future(c.exec(["sleep", "100"]))
-        await asyncio.sleep(0.1)
-        orphans = descendants(agent.pid)  # re-parented away once the agent dies: kill them here
+        # re-parented away once the agent dies: collected now, killed at the end
+        orphans = await async_wait_for(lambda: descendants(agent.pid), what="the agent to start sleep")
         os.kill(agent.pid, signal.SIGKILL)
         with pytest.raises(SandboxError, match="connection lost"):
             await asyncio.wait_for(pending, 3)
@@ -662,20 +714,15 @@ async def test_sigterm_kills_everything_and_exits_0(agent: Agent) -> None:
 async def test_zombies_are_reaped(client: AgentClient, agent: Agent) -> None:
     # Orphans (the double-forked children) re-parent to the agent, which must reap them.
     await asyncio.gather(*(client.exec(["sh", "-c", "(true &) ; (sleep 0.05 &) ; true"]) for _ in range(100)))
-    await asyncio.sleep(0.5)
-    for _ in range(50):
-        zombies = [p for p, (pp, st) in _proc_table().items() if st == "Z" and pp == agent.pid]
-        if not zombies:
-            break
-        await asyncio.sleep(0.05)
-    assert zombies == []
+    # every orphan ends within 50 ms; then none may stay as the agent's child (alive or zombie)
+    await async_wait_for(lambda: not [p for p, (pp, _st) in _proc_table().items() if pp == agent.pid],
+                         what="the agent to reap every orphan")
 
 
 async def test_ps_lists_processes(client: AgentClient) -> None:
     h = await client.exec_stream(["sleep", "5"])
-    await asyncio.sleep(0.1)
+    await async_wait_for(lambda: _sleeping(client), what="ps to list the running sleep")
     procs = await client.ps()
-    assert any(p["comm"] == "sleep" for p in procs)
     assert all({"pid", "ppid", "comm", "state"} <= p.keys() for p in procs)
     await h.send_signal(signal.SIGKILL)
     await h.wait()
@@ -717,10 +764,8 @@ async def test_shell_cannot_be_confused_by_output(client: AgentClient) -> None:
         "echo 0 >&4; echo 'x' >&3; printf 'deadbeef 0\\n\\0\\0'; "
         "sleep 0.3; echo after"
     )
-    t0 = time.monotonic()
     r = await client.shell_run(sh, cmd)
-    assert time.monotonic() - t0 >= 0.3
-    assert r.stdout.endswith(b"after\n") and r.alive
+    assert r.stdout.endswith(b"after\n") and r.alive  # the fake end markers did not end the command
     assert b"Bad file descriptor" in r.stderr
     r = await client.shell_run(sh, "ls /proc/$BASHPID/fd | sort -n | head -5; python3 -c "
                                "\"import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')))\"")
@@ -735,10 +780,8 @@ async def test_shell_timeout_interrupts_command_and_shell_lives(client: AgentCli
     sh = await client.shell_open()
     r = await client.shell_run(sh, "export KEEP=1; sleep 300 & echo $!")
     bg = int(r.stdout)
-    t0 = time.monotonic()
     r = await client.shell_run(sh, "sleep 100", timeout=0.3)
     assert r.timed_out and r.exit_code == 130 and r.alive
-    assert time.monotonic() - t0 < 2
     # An INT-ignoring command is SIGKILLed a second later.
     r = await client.shell_run(sh, "trap '' INT; sleep 100", timeout=0.3)
     assert r.timed_out and r.exit_code == 137 and r.alive
@@ -771,17 +814,20 @@ async def test_shell_exit_reports_dead_shell(client: AgentClient) -> None:
     assert (r.exit_code, r.alive) == (4, False)
 
 
-async def test_two_shells_at_once_and_busy(client: AgentClient) -> None:
+async def test_two_shells_at_once_and_busy(client: AgentClient, agent: Agent) -> None:
     a, b = await client.shell_open(), await client.shell_open()
     assert a != b
-    t0 = time.monotonic()
-    ra, rb = await asyncio.gather(client.shell_run(a, "sleep 0.5; echo a"), client.shell_run(b, "sleep 0.5; echo b"))
-    assert (ra.stdout, rb.stdout) == (b"a\n", b"b\n")
-    assert time.monotonic() - t0 < 0.95
-    first = asyncio.ensure_future(client.shell_run(a, "sleep 0.3"))
-    await asyncio.sleep(0.05)
+    d = agent.dir
+    # each command waits for the other's file: they finish only if both run at the same time
+    ra, rb = await asyncio.wait_for(asyncio.gather(
+        client.shell_run(a, f"touch {d}/A; while [ ! -e {d}/B ]; do sleep 0.01; done; echo a", timeout=30),
+        client.shell_run(b, f"touch {d}/B; while [ ! -e {d}/A ]; do sleep 0.01; done; echo b", timeout=30)), 60)
+    assert (ra.stdout, rb.stdout) == (b"a\n", b"b\n") and not (ra.timed_out or rb.timed_out)
+    first = asyncio.ensure_future(client.shell_run(a, f"touch {d}/S; while [ ! -e {d}/G ]; do sleep 0.01; done"))
+    await async_wait_for((d / "S").exists, what="the first command to run in shell a")
     with pytest.raises(InvalidRequest, match="busy"):
         await client.shell_run(a, "true")
+    (d / "G").touch()
     assert (await first).ok
     await client.shell_close(a)
     await client.shell_close(b)
@@ -796,7 +842,7 @@ async def test_shell_output_cap_signal_and_user(client: AgentClient) -> None:
     if os.geteuid() == 0:
         assert (await client.shell_run(sh, "id -u")).stdout == b"65534\n"
     h = await client.shell_run_stream(sh, "sleep 100; echo rc=$?")
-    await asyncio.sleep(0.2)
+    await async_wait_for(lambda: _sleeping(client, "100"), what="the shell to start sleep")
     await h.send_signal(signal.SIGTERM)
     r = await asyncio.wait_for(h.wait(), 5)
     assert r.stdout == b"rc=143\n" and r.alive
@@ -892,11 +938,8 @@ async def test_write_is_atomic_when_the_client_disconnects_mid_upload(agent: Age
     raw.close()
     c = await agent.connect()  # the agent is alive and has handled the disconnect
     try:
-        for _ in range(100):
-            if sorted(x.name for x in agent.dir.iterdir()) == ["a.sock", "atomic.txt"]:
-                break
-            await asyncio.sleep(0.01)
-        assert sorted(x.name for x in agent.dir.iterdir()) == ["a.sock", "atomic.txt"]
+        await async_wait_for(lambda: sorted(x.name for x in agent.dir.iterdir()) == ["a.sock", "atomic.txt"],
+                             what="the agent to remove the partial file of the dropped connection")
         assert target.read_bytes() == b"old content"
     finally:
         await c.close()
@@ -948,10 +991,7 @@ def test_token_auth() -> None:
     tok.write_text("s3cret-token\n")
     a = start_agent(["--token-file", str(tok)])
     try:
-        deadline = time.monotonic() + 2
-        while tok.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not tok.exists(), "the agent must unlink its token file"
+        wait_for(lambda: not tok.exists(), what="the agent to unlink its token file")
 
         async def go() -> None:
             with pytest.raises(Unauthorized):
@@ -1028,6 +1068,21 @@ async def test_connect_stream_and_concurrent_clients(agent: Agent) -> None:
         await c2.close()
 
 
+async def _hello_until_answered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                dec: F.FrameDecoder) -> None:
+    sid = 100
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sid += 1
+        writer.write(F.encode_request(sid, "hello", version=1))
+        with contextlib.suppress(TimeoutError):
+            while True:
+                for fr in dec.feed(await asyncio.wait_for(reader.read(4096), 0.5)):
+                    if fr.type == F.RESP:
+                        return
+    pytest.fail("the agent answered no hello on the serial line after a framing error")
+
+
 async def test_serial_mode_over_a_pty(tmp_path: Path) -> None:
     """--serial: one byte stream (here a PTY pair standing in for a virtio-serial port)."""
     master, slave = os.openpty()
@@ -1044,8 +1099,9 @@ async def test_serial_mode_over_a_pty(tmp_path: Path) -> None:
         wfile = os.fdopen(os.dup(master), "wb", buffering=0)
         wt, wp = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, wfile)
         writer = asyncio.StreamWriter(wt, wp, reader, loop)
-        # The agent switches the line to raw mode on open; give it a moment before talking.
-        await asyncio.sleep(0.2)
+        # The agent switches the line to raw mode on open: talk once it has (echo would reflect our bytes)
+        await async_wait_for(lambda: not termios.tcgetattr(slave)[3] & (termios.ICANON | termios.ECHO),
+                             what="the agent to put the line in raw mode")
         # A framing error ends the logical connection but not the line: after ERR on stream 0
         # the agent drops what it had buffered, and a new hello works on the same device.
         writer.write(struct.pack(">IBI", F.MAX_PAYLOAD + 6, F.REQ, 9))
@@ -1053,7 +1109,9 @@ async def test_serial_mode_over_a_pty(tmp_path: Path) -> None:
         got: list[F.Frame] = []
         while not any(f.type == F.ERR and f.stream == 0 for f in got):
             got += dec.feed(await asyncio.wait_for(reader.read(4096), 5))
-        await asyncio.sleep(0.3)  # reading resumes after a short pause
+        # The agent drops what was unread when it saw the error, then reads again after a pause: a hello
+        # sent in the instant before the drop is lost, so hello is repeated until one is answered.
+        await _hello_until_answered(reader, writer, dec)
         c = await AgentClient.connect_stream(reader, writer, timeout=5)
         data = bytes(range(256)) * 64
         r = await c.exec(["cat"], stdin=data, max_output=0)
@@ -1065,17 +1123,8 @@ async def test_serial_mode_over_a_pty(tmp_path: Path) -> None:
         stop_agent(a)
 
 
-async def test_exec_round_trip_latency(client: AgentClient) -> None:
-    for _ in range(20):
-        await client.exec(["true"])
-    lat = []
-    for _ in range(200):
-        t0 = time.perf_counter()
-        await client.exec(["true"])
-        lat.append(time.perf_counter() - t0)
-    lat.sort()
-    p50 = lat[len(lat) // 2]
-    assert p50 < 0.02, f"exec p50 {p50 * 1000:.2f} ms"
+# The exec round trip to this agent (a host process) is a benchmark figure, not a test: `shoal bench exec`
+# ("exec round trip p50, agent alone").
 
 
 async def test_shell_pipe_fallback_without_memfd() -> None:
@@ -1107,9 +1156,13 @@ async def test_as_pid_1_of_a_pid_namespace() -> None:
             await asyncio.gather(*(c.exec(["sh", "-c", "(sleep 0.05 &) ; true"]) for _ in range(50)))
             await c.exec(["sh", "-c", "setsid sleep 100 > /dev/null 2>&1 < /dev/null &"])
             await c.exec_detached(["sleep", "100"])
-            await asyncio.sleep(0.3)
-            procs = await c.ps()
-            assert [p for p in procs if p["state"] == "Z"] == []
+
+            async def settled() -> bool:  # the short-lived orphans ended and were reaped: two sleeps left
+                procs = await c.ps()
+                return not [p for p in procs if p["state"] == "Z"] and \
+                    len([p for p in procs if p["comm"] == "sleep"]) == 2
+
+            await async_wait_for(settled, what="PID 1 to reap every orphan (two `sleep 100` left, no zombie)")
             # Root inside the sandbox cannot stop the agent.
             r = await c.exec(["sh", "-c", "kill -TERM 1; kill -INT 1; sleep 0.2; echo alive"])
             assert r.stdout == b"alive\n"
@@ -1250,12 +1303,12 @@ async def test_agent_leaks_no_fds_or_processes_after_a_mixed_workload(agent: Age
         assert wait_gone([pid]) == []
     finally:
         await c.close()
-    deadline = time.monotonic() + 5
-    while fds() > baseline and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    with contextlib.suppress(pytest.fail.Exception):
+        await async_wait_for(lambda: fds() <= baseline, what="the agent to close the fds of ended work")
     assert fds() == baseline, os.listdir(f"/proc/{agent.pid}/fd")
-    await asyncio.sleep(0.5)  # the `sleep 0.3 &` orphan ends and must be reaped
-    assert [p for p, (pp, st) in _proc_table().items() if pp == agent.pid] == []
+    # the `sleep 0.3 &` orphan ends and must be reaped: then the agent has no child left
+    await async_wait_for(lambda: not [p for p, (pp, _st) in _proc_table().items() if pp == agent.pid],
+                         what="the agent to reap the orphan")
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
