@@ -68,13 +68,15 @@ def token_create(project: Annotated[str, typer.Option(help="project the token ac
                  max_cpus: Annotated[float | None, typer.Option(help="project quota: CPUs promised")] = None,
                  max_memory_mb: Annotated[int | None, typer.Option(help="project quota: memory promised (MiB)")]
                  = None,
+                 max_store_mb: Annotated[int | None, typer.Option(help="project quota: image store bytes "
+                                                                  "(MiB; snapshots, forks, builds)")] = None,
                  admin: Annotated[bool, typer.Option("--admin", help="operator token: sees every project, "
                                                      "reads /metrics, builds and pulls images")] = False,
                  name: Annotated[str, typer.Option(help="a note to recognise the token by")] = "") -> None:
     """Make a token and print it once (only its hash is stored). Quota options set the project's quota."""
     from shoal.server.tokens import Quota
 
-    q = Quota(max_sandboxes=max_sandboxes, max_cpus=max_cpus, max_memory_mb=max_memory_mb)
+    q = Quota(max_sandboxes=max_sandboxes, max_cpus=max_cpus, max_memory_mb=max_memory_mb, max_store_mb=max_store_mb)
     try:
         tok = _store().create(project, admin=admin, name=name, quota=q)
     except Exception as e:
@@ -96,7 +98,8 @@ def token_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
                           "projects": {p: q.__dict__ for p, q in quotas.items()}}, indent=1))
         return
     t = Table(title=f"{len(toks)} tokens")
-    for col in ("id", "project", "admin", "max sandboxes", "max cpus", "max MiB", "created", "name"):
+    for col in ("id", "project", "admin", "max sandboxes", "max cpus", "max MiB", "max store MiB", "created",
+                "name"):
         t.add_column(col)
     for tok in toks:
         q = quotas.get(tok.project)
@@ -105,7 +108,8 @@ def token_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
             return "-" if v is None else str(v)
 
         t.add_row(tok.id, tok.project, "yes" if tok.admin else "", lim(q and q.max_sandboxes), lim(q and q.max_cpus),
-                  lim(q and q.max_memory_mb), time.strftime("%Y-%m-%d %H:%M", time.localtime(tok.created)), tok.name)
+                  lim(q and q.max_memory_mb), lim(q and q.max_store_mb),
+                  time.strftime("%Y-%m-%d %H:%M", time.localtime(tok.created)), tok.name)
     console.print(t)
 
 
@@ -130,16 +134,18 @@ def token_rm(token_ids: Annotated[list[str], typer.Argument(help="token ids (or 
 def token_quota(project: Annotated[str, typer.Argument(help="project")],
                 max_sandboxes: Annotated[int | None, typer.Option()] = None,
                 max_cpus: Annotated[float | None, typer.Option()] = None,
-                max_memory_mb: Annotated[int | None, typer.Option()] = None) -> None:
+                max_memory_mb: Annotated[int | None, typer.Option()] = None,
+                max_store_mb: Annotated[int | None, typer.Option(help="image store bytes (MiB)")] = None) -> None:
     """Set a project's quota (options left out become unlimited)."""
     from shoal.server.tokens import Quota
 
     try:
-        _store().set_quota(project, Quota(max_sandboxes, max_cpus, max_memory_mb))
+        _store().set_quota(project, Quota(max_sandboxes, max_cpus, max_memory_mb, max_store_mb))
     except Exception as e:
         err_console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    err_console.print(f"quota of {project!r}: sandboxes={max_sandboxes}, cpus={max_cpus}, memory_mb={max_memory_mb}")
+    err_console.print(f"quota of {project!r}: sandboxes={max_sandboxes}, cpus={max_cpus}, memory_mb={max_memory_mb}, "
+                      f"store_mb={max_store_mb}")
 
 
 def register(app: typer.Typer) -> None:

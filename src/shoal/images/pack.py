@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import ImageBuildError
+from shoal.errors import ImageBuildError, QuotaExceeded
 from shoal.fsutil import tmp_name
 from shoal.images.erofs import build_erofs
 from shoal.images.store import ImageStore, Layer
@@ -96,20 +97,100 @@ def _overlay_xattrs(p: Path, keep_opaque: bool = True) -> list[str]:
     return [n for n in names if n.startswith("trusted.overlay.") and not (keep_opaque and n in _KEEP_XATTRS)]
 
 
+@dataclass
+class Footprint:
+    """What packing a tree would write: sizes of its files as seen (`apparent`) and as stored (`allocated`)."""
+
+    files: int = 0
+    apparent: int = 0
+    allocated: int = 0
+    #: bytes of holes in sparse files (apparent beyond allocated)
+    holes: int = 0
+    #: the largest files by apparent size: (bytes, path relative to the tree)
+    largest: list[tuple[int, str]] = field(default_factory=list)
+
+    def layer_bytes(self) -> int:
+        """What the layer is charged: every file's size as seen, holes included, and ~1 KiB of metadata
+        per file. Packing keeps holes as holes (the file in the store is smaller), but mkfs.erofs still
+        reads them (hole detection by content: ~35 s of CPU for a 2 GiB hole here), so they count."""
+        return self.allocated + self.holes + 1024 * self.files + (1 << 20)
+
+    def describe_largest(self, n: int = 3) -> str:
+        """`/tmp/sparse (2048 MiB, 0 MiB on disk), ...` for error messages."""
+        return ", ".join(f"/{rel} ({size / 2**20:.0f} MiB)" for size, rel in self.largest[:n])
+
+
+def footprint(root: Path, exclude: list[str] | None = None, keep: int = 3) -> Footprint:
+    """Walk `root` (not following symlinks, each inode once) and add up what packing it would store."""
+    fp = Footprint()
+    skip = {os.path.join(str(root), rel) for rel in exclude or []}
+    seen: set[int] = set()
+    stack = [str(root)]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                if e.path in skip:
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                fp.files += 1
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+                elif stat.S_ISREG(st.st_mode) and st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    alloc = st.st_blocks * 512
+                    fp.apparent += st.st_size
+                    fp.allocated += min(alloc, st.st_size + 4095)
+                    fp.holes += max(0, st.st_size - alloc)
+                    if len(fp.largest) < keep or st.st_size > fp.largest[-1][0]:
+                        fp.largest.append((st.st_size, os.path.relpath(e.path, root)))
+                        fp.largest.sort(reverse=True)
+                        del fp.largest[keep:]
+    return fp
+
+
+def check_layer_budget(fp: Footprint, max_bytes: int, what: str, why: str) -> None:
+    """QuotaExceeded when the layer of `fp` is charged more than `max_bytes` (`what` = "the snapshot of
+    sandbox X", `why` = which limit, for the message)."""
+    need = fp.layer_bytes()
+    if need <= max_bytes:
+        return
+    raise QuotaExceeded(
+        f"{what} holds {need / 2**20:.0f} MiB of files, over {why} ({max_bytes / 2**20:.0f} MiB); largest "
+        f"files: {fp.describe_largest()}. Delete or shrink them (the holes of sparse files count as their "
+        "size), or ask for a larger limit",
+        reason="layer_too_large", need_bytes=need, limit_bytes=max_bytes, files=fp.files,
+        apparent_bytes=fp.apparent, allocated_bytes=fp.allocated)
+
+
 def pack_upper(store: ImageStore, upper: Path, source: dict[str, Any], compress: str | None = None, *,
-               clean: bool = False, network: bool = False) -> Layer:
+               clean: bool = False, network: bool = False, max_bytes: int | None = None,
+               what: str = "this layer", why: str = "its limit") -> Layer:
     """Pack `upper` (excluding runtime artifacts) into a layer in `store`; returns it (deduplicated).
 
+    Holes in sparse files stay holes (uncompressed layers). `max_bytes`: refuse (QuotaExceeded, before
+    reading or writing anything) a tree charged more (Footprint.layer_bytes: holes count); `what`/`why`
+    name it and the limit in the message.
     `clean=True` first strips overlayfs bookkeeping in place (see `clean_upper`); use it only when the
     sandbox owning `upper` is paused or stopped and will not be resumed."""
     upper = Path(upper)
     if not upper.is_dir():
         raise ImageBuildError(f"no writable layer at {upper}")
+    exclude = runtime_excludes(upper, network)
+    if max_bytes is not None:
+        check_layer_budget(footprint(upper, exclude), max_bytes, what, why)
     if clean:
         clean_upper(upper, network=network)
     tmp = store.tmp_dir / (tmp_name("upper-") + ".erofs")
     try:
-        build_erofs(upper, tmp, compress=compress, exclude=runtime_excludes(upper, network))
+        build_erofs(upper, tmp, compress=compress, exclude=exclude, sparse=True)
         return store.add_layer_file(tmp, source)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -565,11 +565,12 @@ class Node:
             rec.save()
 
     # ---- snapshot / fork / fncall (filled in by their modules) ---------------------------------
-    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
-        """Pack the sandbox's writable layer into a new image (see shoal.node.snapshot)."""
+    async def snapshot(self, sandbox_id: str, name: str, *, store_budget: int | None = None) -> dict[str, Any]:
+        """Pack the sandbox's writable layer into a new image (see shoal.node.snapshot); `store_budget`:
+        the most bytes the new layer may take (a project's store quota)."""
         from shoal.node.snapshot import snapshot_sandbox
 
-        return await snapshot_sandbox(self, sandbox_id, name)
+        return await snapshot_sandbox(self, sandbox_id, name, store_budget=store_budget)
 
     async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
         """`n` children from a fresh snapshot of the sandbox."""

@@ -35,8 +35,10 @@ from shoal.errors import (
     SandboxError,
     ShoalError,
 )
+from shoal.fsutil import tmp_name
 from shoal.host import syscalls
-from shoal.images.pack import RUNTIME_ARTIFACTS, pack_upper
+from shoal.images.erofs import build_erofs
+from shoal.images.pack import RUNTIME_ARTIFACTS, check_layer_budget, footprint, pack_upper
 from shoal.images.refs import parse_ref
 from shoal.images.store import ImageConfig, Layer
 from shoal.models import SandboxInfo, SandboxSpec
@@ -70,13 +72,6 @@ def _vm_hook(rec: SandboxRecord, attr: str) -> Any:
         return None
 
 
-def _pack_knows_network() -> bool:
-    # newer pack_upper also leaves out the runtime's resolv.conf mountpoint of networked sandboxes
-    import inspect
-
-    return "network" in inspect.signature(pack_upper).parameters
-
-
 def upper_is_empty(upper: Path) -> bool:
     """True when the writable layer holds nothing but the runtime's empty mountpoints."""
     for entry in os.scandir(upper):
@@ -99,7 +94,27 @@ def _parent_config(node: Node, rec: SandboxRecord) -> ImageConfig:
         return cfg
 
 
-def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any]) -> Layer:
+def _budget(node: Node, rec: SandboxRecord, squash: bool, store_budget: int | None) -> tuple[int, str]:
+    """The most bytes the snapshot's layer may take, and which limit that is (for the message).
+
+    A layer holds what the sandbox wrote, and the sandbox could not store more than its disk_mb: the same
+    bound holds in the store, whatever sparse files claim (a squash also holds the image's own layers)."""
+    disk_mb = int(rec.spec.get("disk_mb") or 4096)
+    limit, why = disk_mb << 20, f"the sandbox's disk_mb={disk_mb}"
+    if squash:
+        parents = 0
+        for h in rec.layers:
+            with contextlib.suppress(ImageNotFound, OSError, ValueError):
+                parents += node.store.layer(f"sha256:{h}").size
+        limit += parents
+        why += f" plus its image's {parents / 2**20:.0f} MiB (a squashed snapshot)"
+    if store_budget is not None and store_budget < limit:
+        limit, why = max(0, store_budget), "what is left of the project's store quota (max_store_mb)"
+    return limit, why
+
+
+def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any],
+            budget: tuple[int, str] | None = None) -> Layer:
     """One layer holding the sandbox's whole merged tree (all lowers + the upper). Blocking."""
     lowers = [str(node.layer_mounts.mountpoint(h)) for h in reversed(rec.layers)]
     for p in lowers:
@@ -112,7 +127,15 @@ def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any])
         syscalls.mount("overlay", str(mnt), "overlay", syscalls.MS_RDONLY,
                        "lowerdir=" + ":".join([str(upper), *lowers]) + ",redirect_dir=off,index=off,metacopy=off")
         try:
-            return node.store.add_layer_from_dir(mnt, source)
+            if budget is not None:
+                check_layer_budget(footprint(mnt), budget[0], f"the snapshot of sandbox {rec.id}", budget[1])
+            tmp = node.store.tmp_dir / (tmp_name("squash-") + ".erofs")
+            try:
+                build_erofs(mnt, tmp, sparse=True)
+                return node.store.add_layer_file(tmp, source)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
         finally:
             syscalls.umount(str(mnt), detach=True)
     finally:
@@ -121,8 +144,12 @@ def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any])
 
 
 async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bool | None = None,
-                           compress: str | None = None) -> dict[str, Any]:
+                           compress: str | None = None, store_budget: int | None = None) -> dict[str, Any]:
     """Freeze, pack the writable layer, thaw; tag a new image `name` = parent layers + the diff.
+
+    The new layer may hold no more than the sandbox's disk_mb of files, counting the holes of sparse
+    files (they are stored as holes, but packing reads them), nor more than `store_budget` bytes (what
+    the caller's project may still store): QuotaExceeded before anything is read or written.
 
     Returns the image's summary (`ref`, `digest`, `layers`, `lineage`, ...) plus `layer` (the new
     layer's digest, or None when nothing changed), `diff_bytes`, `seconds` and `frozen_s`.
@@ -166,11 +193,14 @@ async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bo
             empty = await asyncio.to_thread(upper_is_empty, Path(upper))
             depth = len(parent_layers) + (0 if empty else 1)
             squashed = bool(squash) or (squash is None and depth > max_layers())
+            budget = _budget(node, rec, squashed, store_budget)
             if squashed:
-                layer = await asyncio.to_thread(_squash, node, rec, Path(upper), dict(source, squashed=True))
+                layer = await asyncio.to_thread(_squash, node, rec, Path(upper), dict(source, squashed=True), budget)
             elif not empty:
-                kw = {"network": True} if rec.spec.get("network") and _pack_knows_network() else {}
-                layer = await asyncio.to_thread(lambda: pack_upper(node.store, Path(upper), source, compress, **kw))
+                kw: dict[str, Any] = {"network": True} if rec.spec.get("network") else {}
+                layer = await asyncio.to_thread(lambda: pack_upper(
+                    node.store, Path(upper), source, compress, max_bytes=budget[0],
+                    what=f"the snapshot of sandbox {rec.id}", why=budget[1], **kw))
         finally:
             frozen_s = time.monotonic() - t_freeze
             if was_running:
@@ -225,7 +255,7 @@ def fork_image_name(sandbox_id: str) -> str:
 
 
 async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = False, name: str | None = None,
-                       **overrides: Any) -> list[SandboxInfo | ShoalError]:
+                       store_budget: int | None = None, **overrides: Any) -> list[SandboxInfo | ShoalError]:
     """`n` independent children of a sandbox (files only on containers); per-item errors like create_many.
 
     `name` tags the intermediate snapshot (default `forks/<id>:<time>-<rand>`); `overrides` change the
@@ -245,7 +275,7 @@ async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = Fa
         # closing this sandbox untags its automatic fork snapshots (Node._drop_fork_snapshots)
         rec.extra["forked"] = True
         rec.save()
-    snap = await snapshot_sandbox(node, sandbox_id, name or fork_image_name(sandbox_id))
+    snap = await snapshot_sandbox(node, sandbox_id, name or fork_image_name(sandbox_id), store_budget=store_budget)
     spec = _child_spec(rec, snap["ref"], overrides)
     return await node.create_many(spec, n)
 

@@ -32,6 +32,7 @@ from shoal.server.schemas import (
     RunStep,
     WorkdirStep,
 )
+from shoal.server.store_quota import store_budget
 from shoal.server.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["images"])
@@ -135,7 +136,8 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
     # each step runs in a sandbox of this size: it counts against the project's quota while it builds
     res = st.quotas.reserve(who, 1, rin.cpus, rin.memory_mb)
     try:
-        img = await rmod.build_recipe(st.node, recipe, no_cache=rin.no_cache)
+        async with store_budget(st.node.store, who, f"building {body.name}"):
+            img = await rmod.build_recipe(st.node, recipe, no_cache=rin.no_cache)
     finally:
         res.release()
     return ns.show_image(img.to_dict())
@@ -158,12 +160,13 @@ async def import_image(request: Request, who: Who,
         raise NotImplementedYet("image import is not available in this build") from None
     tmp = Path(st.node.store.tmp_dir) / (tmp_name("upload-") + ".tar")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            async for chunk in request.stream():
-                f.write(chunk)
-        rep = await asyncio.to_thread(import_archive, st.node.store, tmp, target, select=select,
-                                      source_label="upload")
+        async with store_budget(st.node.store, who, f"importing {name}"):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in request.stream():
+                    f.write(chunk)
+            rep = await asyncio.to_thread(import_archive, st.node.store, tmp, target, select=select,
+                                          source_label="upload")
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

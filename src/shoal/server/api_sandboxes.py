@@ -33,6 +33,7 @@ from shoal.server.schemas import (
     SnapshotIn,
     SpecIn,
 )
+from shoal.server.store_quota import store_budget
 from shoal.server.tokens import Principal, check_project
 
 log = logging.getLogger("shoal.server")
@@ -304,7 +305,8 @@ async def snapshot_sandbox(sandbox_id: SidPath, body: SnapshotIn, request: Reque
     ns = Namespace(who)
     name = ns.for_write(body.name)
     try:
-        out = await st.node.snapshot(sandbox_id, name)
+        async with store_budget(st.node.store, who, f"a snapshot of {sandbox_id}") as budget:
+            out = await st.node.snapshot(sandbox_id, name, store_budget=budget)
     except ImportError:
         raise NotImplementedYet("snapshots are not available in this build") from None
     return ns.show_image(out)
@@ -318,6 +320,8 @@ async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who:
     rec = owned_record(st, who, sandbox_id)
     ns = Namespace(who)
     opts = dict(body.options)
+    if "store_budget" in opts:
+        raise InvalidRequest("store_budget is not a fork option (the project's max_store_mb quota sets it)")
     if "project" in opts and opts["project"] != rec.project and not who.admin:
         raise Forbidden(f"forks stay in project {rec.project!r}")
     if "name" in opts and opts["name"] is not None:
@@ -336,7 +340,10 @@ async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who:
     res = st.quotas.reserve(owner, body.n, cpus, mem)
     try:
         try:
-            items = await st.node.fork(sandbox_id, body.n, **opts)
+            async with store_budget(st.node.store, who, f"a fork of {sandbox_id}") as budget:
+                if budget is not None:
+                    opts["store_budget"] = budget
+                items = await st.node.fork(sandbox_id, body.n, **opts)
         except ImportError:
             raise NotImplementedYet("fork is not available in this build") from None
         except TypeError as e:

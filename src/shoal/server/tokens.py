@@ -54,10 +54,13 @@ class Quota:
     max_sandboxes: int | None = None
     max_cpus: float | None = None
     max_memory_mb: int | None = None
+    #: bytes the project's images may take in the layer store (MiB; layers shared with images outside
+    #: any project, like `base`, are not counted)
+    max_store_mb: int | None = None
 
     def check(self) -> Quota:
         """Reject negative or absurd limits."""
-        for name in ("max_sandboxes", "max_cpus", "max_memory_mb"):
+        for name in ("max_sandboxes", "max_cpus", "max_memory_mb", "max_store_mb"):
             v = getattr(self, name)
             if v is not None and not (0 <= v <= 1 << 40):
                 raise InvalidRequest(f"{name}={v!r} must be a non-negative number")
@@ -65,14 +68,15 @@ class Quota:
 
     def is_unlimited(self) -> bool:
         """True when no limit is set."""
-        return self.max_sandboxes is None and self.max_cpus is None and self.max_memory_mb is None
+        return self.max_sandboxes is None and self.max_cpus is None and self.max_memory_mb is None \
+            and self.max_store_mb is None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Quota:
         """Build from JSON, ignoring unknown keys."""
         d = d or {}
         return cls(max_sandboxes=d.get("max_sandboxes"), max_cpus=d.get("max_cpus"),
-                   max_memory_mb=d.get("max_memory_mb"))
+                   max_memory_mb=d.get("max_memory_mb"), max_store_mb=d.get("max_store_mb"))
 
 
 @dataclass
