@@ -145,4 +145,4 @@ def test_token_file_survives_concurrent_writers(tmp_path: Path) -> None:
     assert len(data["tokens"]) == 40
     assert all(st.authenticate(t) for t in toks)
     assert not [p for p in os.listdir(st.dir) if p.startswith(".tmp")]
-    assert asdict(Quota()) == {"max_sandboxes": None, "max_cpus": None, "max_memory_mb": None}
+    assert asdict(Quota()) == {"max_sandboxes": None, "max_cpus": None, "max_memory_mb": None, "max_store_mb": None}

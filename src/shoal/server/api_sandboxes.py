@@ -296,7 +296,7 @@ async def resume_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dic
 
 
 @router.post("/{sandbox_id}/snapshot", response_model=dict[str, Any], summary="Snapshot into a new image",
-             responses=_links(200, errors(404, 409, 500, 501, 503),
+             responses=_links(200, errors(403, 404, 409, 500, 501, 503),
                               {op: {"ref": "$response.body#/ref"} for op in ("get_image", "remove_image")}))
 async def snapshot_sandbox(sandbox_id: SidPath, body: SnapshotIn, request: Request, who: Who) -> dict[str, Any]:
     """Pack the sandbox's writable layer into a new image `name` (of the caller's project)."""
