@@ -193,3 +193,12 @@ def test_arbitrary_records_fail_only_with_task_errors(d: dict) -> None:
         SWETask.from_dict(base)
     except TaskError as e:
         assert "field" in e.message or "task" in e.message
+
+
+def test_adapters_find_task_ids_in_the_rl_tasks_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.rl.adapters._common import resolve_task
+
+    t = SWETask.from_dict(rec())
+    p = dump_jsonl([t], tmp_path / "t.jsonl")
+    monkeypatch.setenv("SHOAL_RL_TASKS", str(p))  # what a trainer's launcher sets for its workers
+    assert resolve_task(task_id="proj__fn-1") == t

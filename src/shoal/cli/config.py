@@ -43,6 +43,9 @@ def config(
         return
     console.print(f"config file: {file}" if file else "config file: none (SHOAL_CONFIG is unset and "
                   "/etc/shoal/config.toml does not exist)")
+    if not rows:
+        console.print("every setting is at its default" if changed else "no settings")
+        return
     t = Table(show_lines=False, show_edge=False)
     for col in ("variable", "value", "from", "meaning"):
         t.add_column(col, overflow="fold")
