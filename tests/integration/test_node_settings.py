@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.config import InvalidSetting, NodeConfig
+from shoal.config import InvalidSetting
 from shoal.models import SandboxSpec
 from shoal.node.node import Node
 from tests.conftest import runtime_containers
