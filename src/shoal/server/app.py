@@ -222,6 +222,11 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
     _include_fusion(app)
     app.add_middleware(BodyGuard, settings=settings)
     app.add_middleware(RequestMetrics, state_getter=lambda: state)
+    # E2B and SWE-ReX compatible APIs; their router middleware goes outermost, so the limits and metrics
+    # above see the paths it rewrites
+    from shoal.server import compat
+
+    compat.mount(app)
     return app
 
 

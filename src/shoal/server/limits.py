@@ -100,6 +100,10 @@ class BodyGuard:
         path = scope.get("path", "")
         if scope.get("method") == "PUT" and path.endswith("/files"):
             return self.s.max_upload_bytes, self.s.body_total_timeout_s
+        if scope.get("method") == "POST" and (path == "/_e2b/envd/files" or
+                                              (path.startswith("/swerex/") and path.endswith("/upload"))):
+            # file uploads of the E2B and SWE-ReX compatible APIs (multipart adds a little framing)
+            return self.s.max_upload_bytes + (64 << 10), self.s.body_total_timeout_s
         if path == "/v1/images/import":
             # image tarballs are big: only the idle deadline applies
             return self.s.max_import_bytes, float("inf")

@@ -159,6 +159,13 @@ class TokenStore:
         """Every project with a quota entry."""
         return {p: Quota.from_dict(q) for p, q in self._read()["projects"].items()}
 
+    def entry(self, token_id: str) -> TokenEntry | None:
+        """The stored token with this id, None when it does not exist (or was revoked)."""
+        t = self._data()["tokens"].get(token_id)
+        if t is None:
+            return None
+        return TokenEntry(**{k: v for k, v in t.items() if k in TokenEntry.__dataclass_fields__})
+
     def authenticate(self, token: str) -> Principal | None:
         """The principal of a presented token, or None when it is unknown or wrong."""
         m = TOKEN_RE.match(token or "")

@@ -1,0 +1,377 @@
+"""E2B's code interpreter (port 49999): `POST /execute` answering newline-delimited JSON, and contexts.
+
+Each context is one Python process inside the sandbox (`python3` running `repl_driver.SOURCE`), kept alive
+by this server between calls, so `x = 6*7` then `print(x)` works. Output streams back as it is printed:
+`{"type": "stdout"|"stderr", "text", "timestamp"}`, then `result` (the value of a final expression),
+`error` (`name`, `value`, `traceback`) and `number_of_executions`. A client that goes away interrupts the
+running code (SIGINT). Only Python is served; contexts live as long as the server process (a restarted
+server starts fresh interpreters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+import logging
+import secrets
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
+from shoal.server.compat import common
+from shoal.server.compat.repl_driver import SOURCE
+from shoal.server.deps import ServerState, state_of
+
+if TYPE_CHECKING:
+    from shoal.server.tokens import Principal
+
+log = logging.getLogger("shoal.server")
+PREFIX = "/_e2b/interpreter"
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
+LANGUAGES = ("python", "python3")
+DEFAULT_CONTEXT = "default"
+
+
+@dataclass
+class Context:
+    """One interpreter process of a sandbox."""
+
+    id: str
+    sandbox_id: str
+    cwd: str
+    language: str = "python"
+    handle: Any = None
+    nonce: str = ""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: end records still owed by an execution whose client went away (drained before the next one)
+    owed: int = 0
+
+    def public(self) -> dict[str, Any]:
+        """E2B's Context JSON."""
+        return {"id": self.id, "language": "python", "cwd": self.cwd}
+
+
+class _Splitter:
+    """Splits one output stream of the driver into text and protocol records."""
+
+    def __init__(self, mark: bytes) -> None:
+        self.mark = mark
+        self.buf = b""
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes, final: bool = False) -> list[tuple[str, Any]]:
+        """('text', str) and ('record', dict) items, in order."""
+        self.buf += data
+        out: list[tuple[str, Any]] = []
+        while True:
+            i = self.buf.find(self.mark)
+            if i < 0:
+                keep = 0 if final else len(self.mark)
+                cut = max(0, len(self.buf) - keep)
+                text, self.buf = self.buf[:cut], self.buf[cut:]
+                self._text(out, text, final)
+                return out
+            nl = self.buf.find(b"\n", i + len(self.mark))
+            if nl < 0:
+                self._text(out, self.buf[:i], False)
+                self.buf = self.buf[i:]
+                return out
+            text = self.buf[:i]
+            if text.endswith(b"\n"):
+                text = text[:-1]  # the newline the driver writes before each record
+            self._text(out, text, False)
+            try:
+                out.append(("record", json.loads(self.buf[i + len(self.mark):nl])))
+            except ValueError:
+                pass
+            self.buf = self.buf[nl + 1:]
+
+    def _text(self, out: list[tuple[str, Any]], data: bytes, final: bool) -> None:
+        s = self.dec.decode(data, final=final)
+        if s:
+            out.append(("text", s))
+
+
+class Contexts:
+    """The interpreter contexts of every sandbox this server serves."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, str], Context] = {}
+
+    def get(self, sandbox_id: str, context_id: str | None) -> Context:
+        """A context of the sandbox (the default one is made on first use)."""
+        cid = context_id or DEFAULT_CONTEXT
+        ctx = self.by_key.get((sandbox_id, cid))
+        if ctx is None:
+            if cid != DEFAULT_CONTEXT:
+                raise SandboxNotFound(f"context {cid!r} not found in sandbox {sandbox_id}")
+            ctx = self.by_key[(sandbox_id, cid)] = Context(id=cid, sandbox_id=sandbox_id, cwd="")
+        return ctx
+
+    def create(self, sandbox_id: str, cwd: str) -> Context:
+        """A new context (its interpreter starts on first use)."""
+        cid = secrets.token_hex(8)
+        ctx = self.by_key[(sandbox_id, cid)] = Context(id=cid, sandbox_id=sandbox_id, cwd=cwd)
+        return ctx
+
+    def of(self, sandbox_id: str) -> list[Context]:
+        """Every context of a sandbox."""
+        return [c for (sid, _), c in self.by_key.items() if sid == sandbox_id]
+
+    async def remove(self, ctx: Context) -> None:
+        """End a context's interpreter and forget it."""
+        self.by_key.pop((ctx.sandbox_id, ctx.id), None)
+        await stop(ctx)
+
+    async def drop_sandbox(self, sandbox_id: str) -> None:
+        """Forget every context of a sandbox (it was killed)."""
+        for ctx in self.of(sandbox_id):
+            self.by_key.pop((sandbox_id, ctx.id), None)
+            with contextlib.suppress(Exception):
+                await stop(ctx)
+
+
+def contexts(st: ServerState) -> Contexts:
+    """The context table of this server."""
+    t = getattr(st, "_e2b_contexts", None)
+    if t is None:
+        t = Contexts()
+        st._e2b_contexts = t  # type: ignore[attr-defined]
+    return t
+
+
+async def stop(ctx: Context) -> None:
+    """Kill a context's interpreter process (its namespace is lost)."""
+    h, ctx.handle, ctx.owed = ctx.handle, None, 0
+    if h is not None:
+        with contextlib.suppress(Exception):
+            await h.send_signal(signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await h.aclose()
+
+
+async def _ensure(st: ServerState, ctx: Context) -> None:
+    if ctx.handle is not None:
+        return
+    ctx.nonce = secrets.token_hex(16)
+    ctx.handle = await st.node.stream(ctx.sandbox_id, ["python3", "-u", "-c", SOURCE, ctx.nonce], timeout=None,
+                                      cwd=ctx.cwd or None, stdin=True)
+    ctx.owed = 0
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+async def _records(ctx: Context) -> AsyncIterator[tuple[str, Any]]:
+    """Events of the current execution until both streams sent `end`: ('stdout'|'stderr', text) or
+    ('record', dict); ('exit', result) when the interpreter died."""
+    mark = b"\x1e" + ctx.nonce.encode()
+    split = {"stdout": _Splitter(mark), "stderr": _Splitter(mark)}
+    ends = 0
+    async for ev in ctx.handle:
+        if ev.kind == "exit":
+            ctx.handle = None
+            for name, s in split.items():
+                for kind, v in s.feed(b"", final=True):
+                    yield (name, v) if kind == "text" else ("record", v)
+            yield "exit", ev.result
+            return
+        for kind, v in split[ev.kind].feed(ev.data):
+            if kind == "text":
+                yield ev.kind, v
+            elif v.get("type") == "end":
+                ends += 1
+                ctx.owed = max(0, ctx.owed - 1)
+                if ends == 2:
+                    for name, s in split.items():
+                        for k2, v2 in s.feed(b"", final=True):
+                            if k2 == "text":
+                                yield name, v2
+                    return
+            else:
+                yield "record", v
+
+
+async def _drain(ctx: Context) -> None:
+    """Consume what an abandoned execution still prints, up to its end records."""
+    while ctx.owed > 0 and ctx.handle is not None:
+        async for _ in _records(ctx):
+            pass
+
+
+def _target(request: Request) -> tuple[ServerState, Principal, str]:
+    st = state_of(request)
+    from shoal.server.compat.e2b_envd import SCOPE_SANDBOX
+
+    sid = request.scope.get(SCOPE_SANDBOX) or ""
+    who = common.principal_for_sandbox(st, sid, request.headers)
+    try:
+        common.sandbox_of(st, who, sid)
+    except SandboxNotFound:
+        raise SandboxNotFound(f"The sandbox {sid} was not found") from None
+    return st, who, sid
+
+
+def _error(e: BaseException) -> Response:
+    """Errors as plain text with the status the SDK maps (404 → NotFoundException, 502 → sandbox gone)."""
+    if isinstance(e, SandboxNotFound):
+        status = 502 if "was not found" in e.message and "context" not in e.message else 404
+        return PlainTextResponse(e.message, status_code=status)
+    if isinstance(e, ShoalError):
+        status = 400 if isinstance(e, InvalidRequest) else e.http_status
+        if status >= 500:
+            status = 502 if isinstance(e, SandboxError) else 503
+        return PlainTextResponse(e.message, status_code=status)
+    log.exception("code interpreter request failed")
+    return PlainTextResponse(f"internal error ({type(e).__name__}): {e}", status_code=500)
+
+
+def _language(value: Any) -> None:
+    if value not in (None, "", *LANGUAGES):
+        raise InvalidRequest(f"language {value!r} is not supported by shoal's code interpreter: only Python runs "
+                             "(run other languages with sandbox.commands.run)")
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+@router.post("/execute")
+async def execute(request: Request) -> Response:
+    """Run code in a context; the answer streams NDJSON records as the code runs."""
+    try:
+        st, _who, sid = _target(request)
+        body = await _body(request)
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise InvalidRequest("code must be a string")
+        _language(body.get("language"))
+        env = body.get("env_vars") or {}
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise InvalidRequest("env_vars must map strings to strings")
+        ctx = contexts(st).get(sid, body.get("context_id"))
+    except Exception as e:
+        return _error(e)
+
+    async def lines() -> AsyncIterator[bytes]:
+        async with ctx.lock:
+            finished = False
+            try:
+                try:
+                    await _drain(ctx)
+                    await _ensure(st, ctx)
+                    await ctx.handle.write_stdin((json.dumps({"code": code, "env": env}) + "\n").encode())
+                    ctx.owed = 2
+                except ShoalError as e:
+                    finished = True
+                    yield _line({"type": "error", "name": "SandboxError", "value": e.message, "traceback": ""})
+                    return
+                try:
+                    async for kind, v in _records(ctx):
+                        if kind in ("stdout", "stderr"):
+                            yield _line({"type": kind, "text": v, "timestamp": _now_ns()})
+                        elif kind == "record":
+                            yield _line(v)
+                        elif kind == "exit":
+                            yield _line({"type": "error", "name": "InterpreterExited",
+                                         "value": f"the Python process ended (exit code {v.exit_code}); its state "
+                                                  "is lost and the next run starts a fresh one", "traceback": ""})
+                except ShoalError as e:  # the sandbox died under the interpreter
+                    ctx.handle = None
+                    yield _line({"type": "error", "name": "SandboxError", "value": e.message, "traceback": ""})
+                finished = True
+            finally:
+                if not finished and ctx.handle is not None:
+                    # the client went away mid-run: interrupt the code; the next call drains what is left
+                    with contextlib.suppress(Exception):
+                        await ctx.handle.send_signal(signal.SIGINT)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+
+
+@router.post("/contexts")
+async def create_context(request: Request) -> Response:
+    """A new context (its own Python namespace)."""
+    try:
+        st, _who, sid = _target(request)
+        body = await _body(request)
+        _language(body.get("language"))
+        cwd = body.get("cwd") or ""
+        if not isinstance(cwd, str):
+            raise InvalidRequest("cwd must be a string")
+        return JSONResponse(contexts(st).create(sid, cwd).public())
+    except Exception as e:
+        return _error(e)
+
+
+@router.get("/contexts")
+async def list_contexts(request: Request) -> Response:
+    """The sandbox's contexts."""
+    try:
+        st, _who, sid = _target(request)
+        contexts(st).get(sid, None)
+        return JSONResponse([c.public() for c in contexts(st).of(sid)])
+    except Exception as e:
+        return _error(e)
+
+
+@router.delete("/contexts/{context_id}")
+async def remove_context(context_id: str, request: Request) -> Response:
+    """End a context and its interpreter."""
+    try:
+        st, _who, sid = _target(request)
+        t = contexts(st)
+        await t.remove(t.get(sid, context_id))
+        return Response(status_code=204)
+    except Exception as e:
+        return _error(e)
+
+
+@router.post("/contexts/{context_id}/restart")
+async def restart_context(context_id: str, request: Request) -> Response:
+    """Start the context's interpreter afresh (its variables are gone)."""
+    try:
+        st, _who, sid = _target(request)
+        ctx = contexts(st).get(sid, context_id)
+        async with ctx.lock:
+            await stop(ctx)
+        return Response(status_code=204)
+    except Exception as e:
+        return _error(e)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """The interpreter answers (interpreters start on first use)."""
+    try:
+        _target(request)
+        return Response(status_code=204)
+    except Exception as e:
+        return _error(e)
+
+
+@router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+async def unsupported(rest: str, request: Request) -> Response:
+    """Code-interpreter endpoints shoal does not serve: 501 naming them."""
+    return PlainTextResponse(f"{request.method} /{rest} is not supported by shoal's code interpreter "
+                             "(see docs/compat.md)", status_code=501)

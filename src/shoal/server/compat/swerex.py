@@ -1,0 +1,541 @@
+"""SWE-ReX's runtime API (what `swerex.runtime.remote.RemoteRuntime` calls), one per sandbox under
+`/swerex/{sandbox_id}`: point the client's `host` at that URL (with `port=None`) and give it a shoal token as
+`auth_token` (sent as `X-API-Key`).
+
+Sessions are shoal's persistent shells (cwd, environment, functions carry over); `execute` is a one-off
+exec; files go through shoal's file calls; `upload` writes a file or unpacks a zipped directory. Errors use
+SWE-ReX's own transfer format (HTTP 511, `{"swerexception": {message, class_path, traceback, extra_info}}`),
+so the client raises the same exception classes as against its own server (CommandTimeoutError,
+NonZeroExitCodeError, SessionDoesNotExistError, FileNotFoundError, ...).
+
+Not served: interactive commands (`is_interactive_command`/`is_interactive_quit`: a shoal shell command's
+stdin is /dev/null), sessions of types other than bash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import posixpath
+import signal
+import zipfile
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shoal.errors import (
+    FileNotFound,
+    InvalidRequest,
+    SandboxError,
+    SandboxFileError,
+    SandboxNotFound,
+    ShellNotFound,
+    ShoalError,
+    Unauthorized,
+)
+from shoal.server.compat import common
+from shoal.server.deps import ServerState, state_of
+
+if TYPE_CHECKING:
+    from shoal.server.tokens import Principal
+
+log = logging.getLogger("shoal.server")
+router = APIRouter(prefix="/swerex/{sandbox_id}", include_in_schema=False)
+#: what SWE-ReX reports as the matched expect string when a command ran to its end (its PS1)
+PS1 = "SHELLPS1PREFIX"
+EXC = "swerex.exceptions."
+
+
+class Transfer(Exception):
+    """An exception to hand to the client in SWE-ReX's transfer format."""
+
+    def __init__(self, class_path: str, message: str, extra_info: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.class_path = class_path
+        self.message = message
+        self.extra_info = extra_info or {}
+
+
+def _transfer(e: BaseException) -> Transfer:
+    if isinstance(e, Transfer):
+        return e
+    if isinstance(e, ValidationError):
+        return Transfer("builtins.ValueError", f"invalid request: {e}")
+    if isinstance(e, ShoalError):
+        m = e.message
+        if isinstance(e, FileNotFound):
+            return Transfer("builtins.FileNotFoundError", m)
+        code = e.details.get("agent_code")
+        if code == "is_a_directory":
+            return Transfer("builtins.IsADirectoryError", m)
+        if code == "not_a_directory":
+            return Transfer("builtins.NotADirectoryError", m)
+        if code == "permission_denied":
+            return Transfer("builtins.PermissionError", m)
+        if code == "spawn_failed" and isinstance(e, InvalidRequest):
+            return Transfer("builtins.FileNotFoundError", m)
+        if isinstance(e, SandboxFileError):
+            return Transfer("builtins.OSError", m)
+        if isinstance(e, InvalidRequest):
+            return Transfer("builtins.ValueError", m)
+        return Transfer(EXC + "SwerexException", f"{type(e).__name__}: {m}")
+    log.exception("SWE-ReX request failed")
+    return Transfer(EXC + "SwerexException", f"internal error ({type(e).__name__}): {e}; the server log has the "
+                                             "traceback")
+
+
+def _error(e: BaseException) -> Response:
+    if isinstance(e, Unauthorized):
+        return JSONResponse({"detail": e.message}, status_code=401)
+    t = _transfer(e)
+    return JSONResponse({"swerexception": {"message": t.message, "class_path": t.class_path, "traceback": "",
+                                           "extra_info": t.extra_info}}, status_code=511)
+
+
+# ---- request models (the client's own fields; unknown ones are ignored) ----------------------------
+class _M(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSession(_M):
+    """Open a bash session."""
+
+    startup_source: list[str] = []
+    session: str = Field("default", min_length=1, max_length=200)
+    session_type: str = "bash"
+    startup_timeout: float = 1.0
+
+
+class RunAction(_M):
+    """Run a command in a session (or interrupt it)."""
+
+    command: str = ""
+    session: str = "default"
+    timeout: float | None = None
+    is_interactive_command: bool = False
+    is_interactive_quit: bool = False
+    check: str = "raise"
+    error_msg: str = ""
+    expect: list[str] = []
+    action_type: str = "bash"
+    n_retry: int = 3
+
+
+class CloseSession(_M):
+    """Close a session."""
+
+    session: str = "default"
+    session_type: str = "bash"
+
+
+class Command(_M):
+    """A one-off command."""
+
+    command: str | list[str]
+    timeout: float | None = None
+    shell: bool = False
+    check: bool = False
+    error_msg: str = ""
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    merge_output_streams: bool = False
+
+
+class ReadFile(_M):
+    """Read a file as text."""
+
+    path: str
+    encoding: str | None = None
+    errors: str | None = None
+
+
+class WriteFile(_M):
+    """Write text to a file."""
+
+    content: str
+    path: str
+
+
+# ---- sessions -----------------------------------------------------------------------------------
+@dataclass
+class Session:
+    """One SWE-ReX session: a shoal shell, plus a command still running after an `expect` match."""
+
+    name: str
+    shell_id: str
+    running: Any = None
+    output: list[bytes] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _sessions(st: ServerState) -> dict[tuple[str, str], Session]:
+    t = getattr(st, "_swerex_sessions", None)
+    if t is None:
+        t = {}
+        st._swerex_sessions = t  # type: ignore[attr-defined]
+    return t
+
+
+def _caller(request: Request, sandbox_id: str) -> tuple[ServerState, Principal]:
+    st = state_of(request)
+    who = common.principal_from_key(st, request.headers.get("x-api-key"), request.headers.get("authorization"))
+    try:
+        common.sandbox_of(st, who, sandbox_id)
+    except SandboxNotFound:
+        raise Transfer(EXC + "SwerexException", f"no sandbox {sandbox_id!r} (or it belongs to another project)") \
+            from None
+    return st, who
+
+
+async def _body(request: Request, model: type[_M] | None) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Transfer("builtins.ValueError", f"request body is not valid JSON: {e}") from None
+    if model is None:
+        return data
+    if not isinstance(data, dict):
+        raise Transfer("builtins.ValueError", "request body must be a JSON object")
+    return model.model_validate(data)
+
+
+def _text(b: bytes | str) -> str:
+    return b.decode("utf-8", "backslashreplace") if isinstance(b, bytes) else b
+
+
+@router.get("/is_alive")
+async def is_alive(sandbox_id: str, request: Request) -> Response:
+    """`{"is_alive": true}` while the sandbox runs; 404 with a `detail` otherwise (the client reads False)."""
+    try:
+        st, _who = _caller(request, sandbox_id)
+        rec = st.node.record(sandbox_id)
+        if rec.state not in ("running", "paused"):
+            return JSONResponse({"detail": f"sandbox {sandbox_id} is {rec.state}"}, status_code=404)
+        return JSONResponse({"is_alive": True, "message": ""})
+    except Transfer as e:
+        return JSONResponse({"detail": e.message}, status_code=404)
+    except Exception as e:
+        return _error(e)
+
+
+@router.post("/create_session")
+async def create_session(sandbox_id: str, request: Request) -> Response:
+    """Open a bash session (a shoal persistent shell), sourcing `startup_source` files."""
+    try:
+        st, who = _caller(request, sandbox_id)
+        req = await _body(request, CreateSession)
+        if req.session_type != "bash":
+            raise Transfer("builtins.ValueError", f"unknown session type: {req.session_type!r} (only bash)")
+        table = _sessions(st)
+        key = (sandbox_id, req.session)
+        if key in table:
+            raise Transfer(EXC + "SessionExistsError", f"session {req.session} already exists")
+        async with common.slot(st, who):
+            shell = await st.node.shell_open(sandbox_id)
+            table[key] = sess = Session(req.session, shell)
+            out = ""
+            for path in req.startup_source:
+                r = await st.node.shell_run(sandbox_id, sess.shell_id, f"source {_quote(path)} 2>&1",
+                                            timeout=max(1.0, req.startup_timeout) + 30)
+                out += _text(r.stdout) + _text(r.stderr)
+        return JSONResponse({"output": out, "session_type": "bash"})
+    except Exception as e:
+        return _error(e)
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+async def _interrupt(st: ServerState, sandbox_id: str, sess: Session, action: RunAction) -> dict[str, Any]:
+    h = sess.running
+    if h is None:
+        return {"output": "", "exit_code": 0, "failure_reason": "", "expect_string": PS1, "session_type": "bash"}
+    with contextlib.suppress(Exception):
+        await h.send_signal(signal.SIGINT)
+    try:
+        await asyncio.wait_for(_finish(sess), max(0.2, action.timeout or 0.2) * max(1, action.n_retry))
+    except TimeoutError:
+        with contextlib.suppress(Exception):
+            await h.send_signal(signal.SIGKILL)
+        try:
+            await asyncio.wait_for(_finish(sess), 5)
+        except TimeoutError:
+            raise Transfer("pexpect.exceptions.TIMEOUT", "Failed to interrupt session") from None
+    out = _text(b"".join(sess.output)).strip()
+    sess.output.clear()
+    return {"output": out, "exit_code": 0, "failure_reason": "", "expect_string": PS1, "session_type": "bash"}
+
+
+async def _finish(sess: Session) -> Any:
+    """Read the rest of a command left running after an expect match; its result."""
+    h, res = sess.running, None
+    if h is None:
+        return None
+    async for ev in h:
+        if ev.kind == "exit":
+            res = ev.result
+        else:
+            sess.output.append(ev.data)
+    sess.running = None
+    return res
+
+
+async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunAction) -> dict[str, Any]:
+    if action.is_interactive_command or action.is_interactive_quit:
+        raise Transfer(EXC + "SwerexException", "interactive commands (is_interactive_command/is_interactive_quit) "
+                                                "are not supported by shoal's sessions: a command's stdin is "
+                                                "/dev/null; run the program non-interactively")
+    if sess.running is not None:
+        raise Transfer(EXC + "SwerexException", f"session {sess.name!r} is still running the command that matched "
+                                                "an expect string: interrupt it (BashInterruptAction) first")
+    c = await st.node.client(sandbox_id)
+    rec = st.node.record(sandbox_id)
+    cap = int((rec.spec or {}).get("max_output_bytes", 1 << 20))
+    # `{ ...\n} 2>&1` runs in the shell itself (state carries over) with stderr folded into stdout, as a
+    # terminal would show it
+    h = await c.shell_run_stream(sess.shell_id, "{ " + action.command + "\n} 2>&1", timeout=action.timeout,
+                                 max_output=cap)
+    buf = bytearray()
+    result = None
+    expect = [x for x in action.expect if x]
+    async for ev in h:
+        if ev.kind == "exit":
+            result = ev.result
+            break
+        buf += ev.data
+        if expect:
+            text = _text(bytes(buf))
+            hits = [(text.find(x), x) for x in expect if x in text]
+            if hits:
+                pos, matched = min(hits)
+                sess.running = h  # the command goes on; BashInterruptAction ends it
+                return {"output": text[:pos], "exit_code": None, "failure_reason": "", "expect_string": matched,
+                        "session_type": "bash"}
+    if result is None:
+        raise SandboxError("the command's stream ended without an exit status")
+    output = _text(bytes(buf))
+    if result.timed_out:
+        raise Transfer(EXC + "CommandTimeoutError",
+                       f"timeout after {action.timeout} seconds while running command {action.command!r}")
+    if not getattr(result, "alive", True):
+        _sessions(st).pop((sandbox_id, sess.name), None)  # the command ended the shell (exit, exec)
+    exit_code = None if action.check == "ignore" else int(result.exit_code)
+    if action.check == "raise" and exit_code != 0:
+        msg = f"Command {action.command!r} failed with exit code {exit_code}. Here is the output:\n{output!r}"
+        if action.error_msg:
+            msg = f"{action.error_msg}: {msg}"
+        raise Transfer(EXC + "NonZeroExitCodeError", msg)
+    return {"output": output, "exit_code": exit_code, "failure_reason": "", "expect_string": PS1,
+            "session_type": "bash"}
+
+
+@router.post("/run_in_session")
+async def run_in_session(sandbox_id: str, request: Request) -> Response:
+    """Run a command in a session (BashAction) or interrupt what runs there (BashInterruptAction)."""
+    try:
+        st, who = _caller(request, sandbox_id)
+        action = await _body(request, RunAction)
+        sess = _sessions(st).get((sandbox_id, action.session))
+        if sess is None:
+            raise Transfer(EXC + "SessionDoesNotExistError", f"session {action.session!r} does not exist")
+        async with common.slot(st, who), sess.lock:
+            if action.action_type == "bash_interrupt":
+                out = await _interrupt(st, sandbox_id, sess, action)
+            elif action.action_type == "bash":
+                out = await _run(st, sandbox_id, sess, action)
+            else:
+                raise Transfer("builtins.ValueError", f"unknown action type {action.action_type!r}")
+        return JSONResponse(out)
+    except ShellNotFound as e:
+        return _error(Transfer(EXC + "SessionDoesNotExistError", f"the session's shell is gone: {e.message}"))
+    except Exception as e:
+        return _error(e)
+
+
+@router.post("/close_session")
+async def close_session(sandbox_id: str, request: Request) -> Response:
+    """Close a session and what still runs in it."""
+    try:
+        st, _who = _caller(request, sandbox_id)
+        req = await _body(request, CloseSession)
+        sess = _sessions(st).pop((sandbox_id, req.session), None)
+        if sess is None:
+            raise Transfer(EXC + "SessionDoesNotExistError", f"session {req.session!r} does not exist")
+        with contextlib.suppress(ShellNotFound):
+            await st.node.shell_close(sandbox_id, sess.shell_id)
+        return JSONResponse({"session_type": "bash"})
+    except Exception as e:
+        return _error(e)
+
+
+@router.post("/execute")
+async def execute(sandbox_id: str, request: Request) -> Response:
+    """Run a command outside any session, like `subprocess.run`."""
+    try:
+        st, who = _caller(request, sandbox_id)
+        cmd = await _body(request, Command)
+        if isinstance(cmd.command, str):
+            argv = ["/bin/sh", "-c", cmd.command] if cmd.shell else [cmd.command]
+        else:
+            argv = list(cmd.command) if not cmd.shell else ["/bin/sh", "-c", " ".join(cmd.command)]
+        if not argv or not argv[0]:
+            raise Transfer("builtins.ValueError", "command is empty")
+        if cmd.merge_output_streams:
+            argv = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *argv]
+        async with common.slot(st, who):
+            r = await st.node.exec(sandbox_id, argv, timeout=cmd.timeout, cwd=cmd.cwd, env=cmd.env)
+        if r.timed_out:
+            raise Transfer(EXC + "CommandTimeoutError", f"Timeout ({cmd.timeout}s) exceeded while running command")
+        out = {"stdout": _text(r.stdout), "stderr": _text(r.stderr), "exit_code": int(r.exit_code)}
+        if cmd.check and r.exit_code != 0:
+            msg = (f"Command {cmd.command!r} failed with exit code {r.exit_code}. "
+                   f"Stdout:\n{out['stdout']!r}\nStderr:\n{out['stderr']!r}")
+            if cmd.error_msg:
+                msg = f"{cmd.error_msg}: {msg}"
+            raise Transfer(EXC + "NonZeroExitCodeError", msg)
+        return JSONResponse(out)
+    except Exception as e:
+        return _error(e)
+
+
+@router.post("/read_file")
+async def read_file(sandbox_id: str, request: Request) -> Response:
+    """A file's text."""
+    try:
+        st, who = _caller(request, sandbox_id)
+        req = await _body(request, ReadFile)
+        async with common.slot(st, who):
+            data = await st.node.read_file(sandbox_id, req.path)
+        try:
+            content = data.decode(req.encoding or "utf-8", req.errors or "strict")
+        except LookupError:
+            raise Transfer("builtins.LookupError", f"unknown encoding: {req.encoding}") from None
+        except UnicodeDecodeError as e:
+            raise Transfer("builtins.ValueError", f"{req.path} is not valid {req.encoding or 'utf-8'}: {e}") from None
+        return JSONResponse({"content": content})
+    except Exception as e:
+        return _error(e)
+
+
+@router.post("/write_file")
+async def write_file(sandbox_id: str, request: Request) -> Response:
+    """Write text to a file (parent directories are made)."""
+    try:
+        st, who = _caller(request, sandbox_id)
+        req = await _body(request, WriteFile)
+        async with common.slot(st, who):
+            await st.node.write_file(sandbox_id, req.path, req.content.encode())
+        return JSONResponse({})
+    except Exception as e:
+        return _error(e)
+
+
+def _members(data: bytes, limit: int) -> list[tuple[str, bytes | None, int]]:
+    """(relative path, bytes or None for a directory, mode) of a zip's members; refuses unsafe paths and
+    archives that unpack to more than `limit` bytes."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as e:
+        raise Transfer("builtins.ValueError", f"unzip=true but the upload is not a zip file: {e}") from None
+    total, out = 0, []
+    with zf:
+        for info in zf.infolist():
+            name = info.filename
+            norm = posixpath.normpath(name)
+            if name.startswith("/") or norm == ".." or norm.startswith("../"):
+                raise Transfer("builtins.ValueError", f"zip member {name!r} points outside the target directory")
+            total += info.file_size
+            if total > limit:
+                raise Transfer("builtins.ValueError", f"the zip unpacks to more than {limit} bytes")
+            mode = (info.external_attr >> 16) & 0o7777
+            if info.is_dir():
+                out.append((norm, None, mode or 0o755))
+            else:
+                out.append((norm, zf.read(info), mode or 0o644))
+    return out
+
+
+@router.post("/upload")
+async def upload(sandbox_id: str, request: Request) -> Response:
+    """A multipart upload (`file`, `target_path`, `unzip`): a file, or a zipped directory unpacked at the target."""
+    try:
+        st, who = _caller(request, sandbox_id)
+        limit = st.settings.max_upload_bytes
+        form = await request.form(max_files=1, max_fields=10, max_part_size=limit)
+        try:
+            part = form.get("file")
+            target = form.get("target_path")
+            unzip = str(form.get("unzip") or "false").lower() == "true"
+            if part is None or not hasattr(part, "read"):
+                raise Transfer("builtins.ValueError", "multipart field 'file' is missing")
+            if not isinstance(target, str) or not target:
+                raise Transfer("builtins.ValueError", "multipart field 'target_path' is missing")
+            data = await part.read()
+        finally:
+            await form.close()
+        async with common.slot(st, who):
+            if not unzip:
+                await st.node.write_file(sandbox_id, target, data)
+            else:
+                for rel, content, mode in _members(data, 4 * limit):
+                    path = posixpath.join(target, rel) if rel != "." else target
+                    if content is None:
+                        c = await st.node.client(sandbox_id)
+                        await c.mkdir(path if path.startswith("/") else _abs(st, sandbox_id, path), parents=True)
+                    else:
+                        await st.node.write_file(sandbox_id, path, content, mode)
+                if not _members_any(data):
+                    c = await st.node.client(sandbox_id)
+                    await c.mkdir(_abs(st, sandbox_id, target), parents=True)
+        return JSONResponse({})
+    except Exception as e:
+        return _error(e)
+
+
+def _members_any(data: bytes) -> bool:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return bool(zf.infolist())
+
+
+def _abs(st: ServerState, sandbox_id: str, path: str) -> str:
+    if path.startswith("/"):
+        return path
+    rec = st.node.record(sandbox_id)
+    return posixpath.join((rec.spec or {}).get("workdir") or rec.extra.get("workdir") or "/", path)
+
+
+@router.post("/close")
+async def close(sandbox_id: str, request: Request) -> Response:
+    """Close every session of the sandbox (the sandbox itself stays: close it with shoal's API)."""
+    try:
+        st, _who = _caller(request, sandbox_id)
+        await close_all(st, sandbox_id)
+        return JSONResponse({})
+    except Exception as e:
+        return _error(e)
+
+
+async def close_all(st: ServerState, sandbox_id: str) -> None:
+    """Close and forget the sessions of a sandbox."""
+    table = _sessions(st)
+    for key in [k for k in table if k[0] == sandbox_id]:
+        sess = table.pop(key)
+        with contextlib.suppress(ShoalError):
+            await st.node.shell_close(sandbox_id, sess.shell_id)
+
+
+@router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+async def unsupported(sandbox_id: str, rest: str, request: Request) -> Response:
+    """Anything else: SWE-ReX's error naming the endpoint."""
+    return _error(Transfer(EXC + "SwerexException", f"{request.method} /{rest} is not part of SWE-ReX's runtime API "
+                                                    "as shoal serves it (see docs/compat.md)"))
