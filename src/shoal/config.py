@@ -216,6 +216,29 @@ def parse_warm_pool(v: object) -> dict[str, int]:
     return out
 
 
+def _template_map(v: object) -> object:
+    if isinstance(v, Mapping):
+        items = list(v.items())
+    elif isinstance(v, str):
+        items = []
+        for part in v.split(","):
+            if not part.strip():
+                continue
+            name, sep, image = part.partition("=")
+            if not sep:
+                raise ValueError("must look like TEMPLATE=IMAGE[,TEMPLATE=IMAGE...]")
+            items.append((name, image))
+    else:
+        raise ValueError("must be TEMPLATE=IMAGE pairs")
+    out = {str(k).strip(): str(i).strip() for k, i in items}
+    if any(not k or not i for k, i in out.items()):
+        raise ValueError("must look like TEMPLATE=IMAGE[,TEMPLATE=IMAGE...] (names and images non-empty)")
+    return out
+
+
+TEMPLATE_MAP = Conv("TEMPLATE=IMAGE,...", _template_map)
+
+
 def _modules(v: object) -> object:
     items = v if isinstance(v, (list, tuple)) else str(v).split(",")
     mods = tuple(str(m).strip() for m in items if str(m).strip())
@@ -362,6 +385,12 @@ class Settings:
     api_max_batch: int = setting(4096, "api", "largest n of one batch create or fork", integer(1, 4096))
     api_log_level: str = setting("warning", "api", "uvicorn log level",
                                  choice("critical", "error", "warning", "info", "debug", "trace"))
+    e2b_templates: dict[str, str] = setting({}, "api", "E2B template IDs mapped to shoal images (E2B-compatible "
+                                            "API): TEMPLATE=IMAGE[,TEMPLATE=IMAGE...]", TEMPLATE_MAP)
+    e2b_default_image: str = setting("base", "api", "the image E2B's stock templates (base, code-interpreter-v1, "
+                                     "...) map to", text())
+    e2b_network: bool = setting(False, "api", "E2B sandboxes that do not set allow_internet_access get a network",
+                                BOOL)
     # ---- images
     erofs_mount: str = setting("auto", "images", "how EROFS layers mount: file-backed, through a loop device, "
                                "or auto", choice("auto", "file", "loop"))

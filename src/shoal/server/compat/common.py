@@ -2,7 +2,7 @@
 envd access token → a shoal principal), which sandbox they may touch, and how E2B template IDs map onto
 shoal images.
 
-Settings (read here, in one place):
+Settings (declared in shoal.config, read here):
 - `SHOAL_E2B_TEMPLATES`: extra template aliases, `TEMPLATE=IMAGE[,TEMPLATE=IMAGE...]`
   (e.g. `code-interpreter-v1=py:3.12,my-team/app=app:7`).
 - `SHOAL_E2B_DEFAULT_IMAGE`: the image E2B's stock templates (`base`, `code-interpreter-v1`, ...) map to
@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shoal.config import settings
 from shoal.errors import ImageNotFound, SandboxNotFound, Unauthorized
 from shoal.node.records import SandboxRecord, check_sandbox_id
 from shoal.server.deps import ANONYMOUS, Namespace, owned_record
@@ -47,18 +48,13 @@ _ACCESS_RE = re.compile(r"^e2bsb_([a-z2-7]{10}|-)_([A-Za-z0-9_-]{43})$")
 
 
 def template_aliases() -> dict[str, str]:
-    """Template ID → shoal image, from SHOAL_E2B_TEMPLATES (read on every call: cheap, and changes apply)."""
-    out: dict[str, str] = {}
-    for item in (os.environ.get("SHOAL_E2B_TEMPLATES") or "").split(","):
-        name, sep, image = item.strip().partition("=")
-        if sep and name.strip() and image.strip():
-            out[name.strip()] = image.strip()
-    return out
+    """Template ID → shoal image, from SHOAL_E2B_TEMPLATES."""
+    return dict(settings().e2b_templates)
 
 
 def default_network() -> bool:
-    """Whether E2B sandboxes get a network when the request does not say."""
-    return (os.environ.get("SHOAL_E2B_NETWORK") or "0").lower() in ("1", "true", "yes", "on")
+    """Whether E2B sandboxes get a network when the request does not say (SHOAL_E2B_NETWORK)."""
+    return bool(settings().e2b_network)
 
 
 def resolve_template(st: ServerState, who: Principal, template: str) -> str:
@@ -77,7 +73,7 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
         if st.node.store.exists(ref):
             return ref
     if template in STOCK_TEMPLATES or template.split(":", 1)[0] in STOCK_TEMPLATES:
-        return ns.for_read(st, os.environ.get("SHOAL_E2B_DEFAULT_IMAGE") or "base")
+        return ns.for_read(st, settings().e2b_default_image or "base")
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")
 
