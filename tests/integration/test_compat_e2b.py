@@ -201,3 +201,33 @@ def test_e2b_host_routing_and_tokens(e2b_env: dict, shoal_home: Path) -> None:
     assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
     assert _connect_unary(url, "process.Process/List", {}, {"E2b-Sandbox-Id": sb2.sandbox_id}).status_code == 401
     assert sb.kill() and not sb.is_running()
+
+
+def test_e2b_pty_reconnect_pause_and_fork(e2b_env: dict) -> None:
+    from e2b import PtySize, Sandbox
+
+    sb = Sandbox.create(timeout=120)
+    e2b_env["made"].append(sb)
+    # a PTY of the asked size, typed into
+    seen: list[bytes] = []
+    pty = sb.pty.create(PtySize(rows=30, cols=100))
+    sb.pty.send_stdin(pty.pid, b"stty size; exit\n")
+    assert pty.wait(on_pty=seen.append).exit_code == 0
+    assert b"30 100" in b"".join(seen)
+    # another listener attaches to a running command by pid
+    h = sb.commands.run("sleep 0.3; echo late", background=True)
+    assert sb.commands.connect(h.pid).wait().stdout == "late\n"
+    # pause, then connect resumes it with its files and processes
+    sb.files.write("/work/f", "kept")
+    bg = sb.commands.run("sleep 600", background=True)
+    assert sb.pause() is True
+    assert sb.get_info().state.value == "paused"
+    again = Sandbox.connect(sb.sandbox_id)
+    assert again.get_info().state.value == "running"
+    assert again.commands.run("cat /work/f").stdout == "kept"
+    assert bg.pid in {p.pid for p in again.commands.list()}
+    # fork: children start from the parent's files
+    kids = sb.fork(count=2)
+    e2b_env["made"].extend(k for k in kids if not isinstance(k, Exception))
+    assert [type(k).__name__ for k in kids] == ["Sandbox", "Sandbox"]
+    assert {k.commands.run("cat /work/f").stdout for k in kids} == {"kept"}

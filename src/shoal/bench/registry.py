@@ -23,11 +23,13 @@ SCENARIOS: dict[str, str] = {
     "fncall": "shoal.bench.scenarios.fncall",
     "vm": "shoal.bench.scenarios.vm",
     "api": "shoal.bench.scenarios.api",
+    "compat": "shoal.bench.scenarios.compat",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
 ALIASES: dict[str, str] = {"image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
-                           "api-server": "api"}
+                           "api-server": "api",
+                           "e2b": "compat", "swerex": "compat"}
 
 
 class UnknownScenario(ValueError):

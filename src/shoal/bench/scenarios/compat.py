@@ -1,0 +1,125 @@
+"""`compat`: exec round trip through the compatible APIs vs shoal's own HTTP API, in one run, on one server and
+one sandbox.
+
+A `shoal serve` child process (sharing the run's SHOAL_HOME, with a token) serves both. Measured, sequentially
+and interleaved round by round (so drift on a shared machine hits every path alike):
+
+- shoal's HTTP API (`shoal.Client(url, token)`): `exec(["true"])`, and `exec(["/bin/bash", "-l", "-c", "true"])`
+  — the command the E2B SDK actually sends for `commands.run("true")`;
+- the unmodified E2B SDK (`AsyncSandbox.connect(id).commands.run("true")`: Connect RPC server stream);
+- the unmodified SWE-ReX client (`RemoteRuntime.execute(Command(command=["true"]))`).
+
+The E2B vs shoal ratio compares the same command (`bash -l -c true`), so it is the protocol's cost alone.
+Needs the `compat` extra (`pip install -e .[compat]`); without it the scenario says so and measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from shoal.bench.context import BenchContext
+from shoal.bench.results import Metric, ScenarioResult
+from shoal.bench.scenario import Scenario, param
+from shoal.bench.stats import latency_summary
+
+BASH_TRUE = ["/bin/bash", "-l", "-c", "true"]
+
+
+@dataclass(frozen=True)
+class CompatParams:
+    """How much work the compat scenario does."""
+
+    rounds: int = param(500, quick=100, help="interleaved rounds of `true`, one call through each of the 4 paths")
+
+
+async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
+    """The compat scenario (see the module docstring)."""
+    res = ScenarioResult("compat", docker="absent: not compared with Docker (compares transports)")
+    try:
+        from e2b import AsyncSandbox
+        from swerex.runtime.abstract import Command
+        from swerex.runtime.remote import RemoteRuntime
+    except ImportError as e:
+        res.data["skipped"] = f"the compat clients are not installed ({e}): pip install -e '.[compat]'"
+        ctx.log(res.data["skipped"])
+        return res
+
+    import shoal
+    from shoal.server.proc import ServerProcess
+    from shoal.server.tokens import TokenStore
+
+    n = max(1, p.rounds)
+    token = TokenStore(ctx.home).create("bench-compat", name="shoal bench compat")
+    srv = ServerProcess(env=dict(os.environ, SHOAL_HOME=str(ctx.home)), log_path=ctx.home / "compat-server.log",
+                        token=token)
+    srv.start()
+    try:
+        async with shoal.Client(srv.url, token=token) as client:
+            sb = await client.create(ctx.image, memory_mb=256)
+            try:
+                e2b_sb = await AsyncSandbox.connect(sb.id, api_key=token, api_url=srv.url, sandbox_url=srv.url)
+                rex = RemoteRuntime(host=f"{srv.url}/swerex/{sb.id}", port=None, auth_token=token, timeout=30)
+
+                async def shoal_true() -> None:
+                    await _ok((await sb.exec(["true"])).exit_code)
+
+                async def shoal_bash() -> None:
+                    await _ok((await sb.exec(BASH_TRUE)).exit_code)
+
+                async def e2b_true() -> None:
+                    await _ok((await e2b_sb.commands.run("true")).exit_code)
+
+                async def rex_true() -> None:
+                    await _ok((await rex.execute(Command(command=["true"]))).exit_code)
+
+                paths: dict[str, Callable[[], Awaitable[None]]] = {
+                    "shoal_http_true": shoal_true, "shoal_http_bash": shoal_bash, "e2b": e2b_true,
+                    "swerex": rex_true}
+                lat: dict[str, list[float]] = {k: [] for k in paths}
+                errors: dict[str, list[str]] = {k: [] for k in paths}
+                for _ in range(10):  # warm-up: connections, the agent's pages, bash's
+                    for call in paths.values():
+                        await call()
+                with ctx.task(f"{n} rounds of `true` through 4 paths", n) as adv:
+                    for _ in range(n):
+                        for name, call in paths.items():
+                            t = time.perf_counter()
+                            try:
+                                await call()
+                            except Exception as e:
+                                errors[name].append(str(e)[:200])
+                                continue
+                            lat[name].append(time.perf_counter() - t)
+                        adv()
+            finally:
+                await sb.close()
+    finally:
+        srv.stop()
+    summ = {k: latency_summary(v) for k, v in lat.items()}
+    res.data.update({"rounds": n, "latency": summ, "errors": {k: v[:3] for k, v in errors.items() if v},
+                     "server": srv.url, "interleaved": True})
+    p50 = {k: s.get("p50_ms") for k, s in summ.items()}
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}× of shoal's" if a and b else ""
+
+    res.add(Metric("exec p50, shoal HTTP API, `true`", p50["shoal_http_true"], None, "ms"),
+            Metric("exec p50, shoal HTTP API, `bash -l -c true`", p50["shoal_http_bash"], None, "ms",
+                   note="the command E2B's commands.run sends"),
+            Metric("exec p50, E2B SDK commands.run(\"true\")", p50["e2b"], None, "ms",
+                   note=ratio(p50["e2b"], p50["shoal_http_bash"]) + " (same command)"),
+            Metric("exec p50, SWE-ReX execute([\"true\"])", p50["swerex"], None, "ms",
+                   note=ratio(p50["swerex"], p50["shoal_http_true"]) + " (same command)"))
+    return res
+
+
+async def _ok(code: int) -> None:
+    if code != 0:
+        raise RuntimeError(f"true exited {code}")
+
+
+SCENARIO = Scenario("compat", "exec round trip through the E2B SDK and SWE-ReX vs shoal's own HTTP API", run,
+                    CompatParams, uses_docker=False)
