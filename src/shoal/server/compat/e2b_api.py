@@ -367,7 +367,12 @@ async def fork(sandbox_id: str, request: Request) -> Response:
         async with common.slot(st, who):
             res = st.quotas.reserve(who, count, float(spec.get("cpus", 1.0)), int(spec.get("memory_mb", 1024)))
             try:
-                items = await st.node.fork(sandbox_id, count, **opts)
+                from shoal.server.store_quota import store_budget
+
+                async with store_budget(st.node.store, who, f"a fork of {sandbox_id}") as budget:
+                    if budget is not None:
+                        opts["store_budget"] = budget  # the project's max_store_mb bounds the fork's snapshot
+                    items = await st.node.fork(sandbox_id, count, **opts)
                 for it in items:
                     if isinstance(it, SandboxInfo):
                         res.commit(it.id)
