@@ -1,0 +1,110 @@
+"""The compatible APIs' pure parts without a sandbox: Connect envelopes and error mapping, the interpreter's
+output splitter, Host routing, template resolution and per-sandbox access tokens."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shoal.errors import FileNotFound, ImageNotFound, InvalidRequest, SandboxError, Unauthorized
+from shoal.server.compat import common, connect, routing
+from shoal.server.compat.e2b_interpreter import _Splitter
+from shoal.server.tokens import Principal, TokenStore
+
+
+def test_connect_envelopes_and_errors() -> None:
+    frame = connect.envelope({"a": 1})
+    flags, n = struct.unpack(">BI", frame[:5])
+    assert flags == 0 and json.loads(frame[5:5 + n]) == {"a": 1}
+    end = connect.end_stream(connect.RpcError("not_found", "gone"))
+    assert end[0] == connect.END_STREAM and json.loads(end[5:]) == {"error": {"code": "not_found", "message": "gone"}}
+    assert connect.rpc_error(FileNotFound("x")).code == "not_found"
+    assert connect.rpc_error(InvalidRequest("x")).code == "invalid_argument"
+    assert connect.rpc_error(Unauthorized("x")).code == "unauthenticated"
+    assert connect.rpc_error(SandboxError("x")).code == "unavailable"
+    assert connect.rpc_error(ValueError("bug")).code == "internal"
+    assert connect.error_response(connect.RpcError("unimplemented", "no")).status_code == 501
+
+
+def test_interpreter_splitter_separates_output_from_records() -> None:
+    mark = b"\x1eNONCE"
+    s = _Splitter(mark)
+    out = s.feed(b"hello\npart")
+    out += s.feed(b"ial\n" + mark[:3])  # a record marker split across chunks
+    out += s.feed(mark[3:] + b'{"type":"end"}\nafter')
+    out += s.feed(b"", final=True)
+    texts = "".join(v for k, v in out if k == "text")
+    assert texts == "hello\npartialafter"  # the newline the driver writes before a record is not output
+    assert [v for k, v in out if k == "record"] == [{"type": "end"}]
+    # a UTF-8 character split across chunks decodes whole
+    s = _Splitter(mark)
+    got = s.feed("é".encode()[:1]) + s.feed("é".encode()[1:], final=True)
+    assert "".join(v for _, v in got) == "é"
+
+
+def test_routing_by_header_and_host() -> None:
+    sid = "n0-" + "a" * 26
+
+    def scope(*headers: tuple[bytes, bytes]) -> dict:
+        return {"type": "http", "path": "/files", "headers": list(headers)}
+
+    assert routing.target(scope((b"e2b-sandbox-id", sid.encode()))) == (sid, 49983)
+    assert routing.target(scope((b"e2b-sandbox-id", sid.encode()), (b"e2b-sandbox-port", b"49999"))) == (sid, 49999)
+    assert routing.target(scope((b"host", f"49999-{sid}.e2b.example.com".encode()))) == (sid, 49999)
+    assert routing.target(scope((b"host", b"127.0.0.1:8700"))) is None
+    assert routing.target(scope((b"host", b"api.e2b.example.com"))) is None
+
+
+class _Store:
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def exists(self, ref: str) -> bool:
+        return ref.split(":")[0] in self.names
+
+
+def test_template_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.config import reset
+
+    st = SimpleNamespace(node=SimpleNamespace(store=_Store({"swe-task", "py", "projects/team/mine"})))
+    team = Principal(project="team")
+    monkeypatch.setenv("SHOAL_E2B_TEMPLATES", "code-interpreter-v1=py:3.12")
+    reset()
+    assert common.resolve_template(st, team, "code-interpreter-v1") == "py:3.12"  # an alias wins
+    assert common.resolve_template(st, team, "swe-task") == "swe-task"  # a shared image of that name
+    assert common.resolve_template(st, team, "mine") == "projects/team/mine"  # the project's own image first
+    assert common.resolve_template(st, team, "base") == "base"  # a stock template → the default image
+    with pytest.raises(ImageNotFound, match="SHOAL_E2B_TEMPLATES"):
+        common.resolve_template(st, team, "unknown-template")
+    monkeypatch.setenv("SHOAL_E2B_TEMPLATES", "broken")
+    reset()
+    with pytest.raises(InvalidRequest, match="SHOAL_E2B_TEMPLATES"):
+        common.template_aliases()
+    monkeypatch.delenv("SHOAL_E2B_TEMPLATES")
+    reset()
+
+
+def test_access_tokens_open_one_sandbox_and_die_with_their_token(tmp_path: Path) -> None:
+    tokens = TokenStore(tmp_path)
+    plain = tokens.create("team")
+    who = tokens.authenticate(plain)
+    assert who is not None
+    st = SimpleNamespace(node=SimpleNamespace(paths=SimpleNamespace(home=tmp_path)), tokens=tokens,
+                         auth_required=lambda: True)
+    a, b = "n0-" + "a" * 26, "n0-" + "b" * 26
+    tok = common.access_token(st, who, a)
+    assert tok != plain and common.access_token(st, who, a) == tok  # stable: the key is kept on disk
+    assert (tmp_path / "api" / "compat.key").stat().st_mode & 0o777 == 0o600
+    got = common.principal_for_sandbox(st, a, {"x-access-token": tok})
+    assert (got.project, got.token_id) == ("team", who.token_id)
+    with pytest.raises(Unauthorized, match="does not open"):
+        common.principal_for_sandbox(st, b, {"x-access-token": tok})
+    with pytest.raises(Unauthorized):
+        common.principal_for_sandbox(st, a, {})
+    tokens.remove(who.token_id)
+    with pytest.raises(Unauthorized, match="revoked"):
+        common.principal_for_sandbox(st, a, {"x-access-token": tok})
