@@ -238,15 +238,25 @@ def test_paused_sandboxes_free_promised_memory_and_resume_when_room_returns() ->
 # ---- compute tides ---------------------------------------------------------------------------------
 def test_tides_pause_idle_sandboxes_only_while_memory_is_tight() -> None:
     pol = Policy(tide_high=0.8, tide_low=0.5, tide_idle_s=300.0, min_free_mb=0)
-    node = NodeState.new("n0", 16, 10_000, pol)
+    c = Cluster([NodeState.new("n0", 16, 10_000, pol)], pol)
     for sid, last, used in [("busy", 990.0, 3000), ("idle-a", 100.0, 2000), ("idle-b", 500.0, 2000),
                             ("idle-c", 600.0, 2000)]:
-        node.sandboxes[sid] = SandboxView(sid, "n0", 4096, used_mb=used, last_used=last, priority=2)
+        c.track(SandboxView(sid, "n0", 4096, used_mb=used, last_used=last, priority=2))
+    node = c.node("n0")
     node.used_mb = 7000
-    assert plan_tides(node, 1000.0, pol) == []  # under tide_high
+    assert plan_tides("n0", c, 1000.0) == []  # under tide_high
     node.used_mb = 9000
     # must come down by 4,000 MiB: the two longest idle; the busy one is never paused
-    assert [v.id for v in plan_tides(node, 1000.0, pol)] == ["idle-a", "idle-b"]
+    assert [v.id for v in plan_tides("n0", c, 1000.0)] == ["idle-a", "idle-b"]
+    # deciding changed nothing: the same answer again; a call makes a sandbox busy
+    assert [v.id for v in plan_tides("n0", c, 1000.0)] == ["idle-a", "idle-b"]
+    c.touched(node.sandboxes["idle-a"], 999.0)
+    assert [v.id for v in plan_tides("n0", c, 1000.0)] == ["idle-b", "idle-c"]
+    # a paused sandbox is no candidate; resumed, it is one again once idle
+    c.paused(node.sandboxes["idle-b"])
+    assert [v.id for v in plan_tides("n0", c, 1000.0)] == ["idle-c"]
+    c.resumed(node.sandboxes["idle-b"], now=200.0)
+    assert [v.id for v in plan_tides("n0", c, 1000.0)] == ["idle-b", "idle-c"]
 
 
 # ---- jobs, priorities, fair share ------------------------------------------------------------------

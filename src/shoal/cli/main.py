@@ -239,6 +239,11 @@ from shoal.cli.bench import bench as _bench  # noqa: E402 - `shoal bench` lives 
 app.command("bench")(_bench)
 
 
+from shoal.cli.sim import sim as _sim  # noqa: E402 - `shoal sim` lives in its own module
+
+app.command("sim")(_sim)
+
+
 from shoal.cli.vm import vm_app  # noqa: E402 - the `vm` sub-commands live there
 
 app.add_typer(vm_app, name="vm")

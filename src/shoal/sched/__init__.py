@@ -39,7 +39,7 @@ from shoal.sched.policy import (
     job_labels,
     labels_for_job,
 )
-from shoal.sched.preempt import can_resume, plan_preemption, plan_tides, victim_order
+from shoal.sched.preempt import can_resume, plan_preemption, plan_tides
 from shoal.sched.queue import FairQueue, Job, JobBook
 from shoal.sched.state import BurstPlan, NodeState, Placement, Request, SandboxView
 
@@ -48,5 +48,4 @@ __all__ = [
     "Cluster", "FairQueue", "Job", "JobBook", "JobLabels", "NodeState", "Placement", "Policy", "Request",
     "SandboxView", "as_cluster", "can_resume", "cold_layers", "fits", "job_labels", "labels_for_job", "place",
     "place_many", "plan_gang", "plan_preemption", "plan_tides", "release_plan", "reserve_plan", "room", "score",
-    "victim_order",
 ]

@@ -4,7 +4,9 @@
 
 * the healthy nodes in a list (power-of-k-choices samples it in O(1) per choice);
 * layer digest -> nodes holding it (image locality without a scan);
-* a lazy max-heap of promised-memory headroom (the fallback when sampling finds no room: O(log n)).
+* a lazy max-heap of promised-memory headroom (the fallback when sampling finds no room: O(log n));
+* per node and priority class, a lazy min-heap of tracked sandboxes by last call (preemption and tides
+  find the longest-idle sandboxes of the lowest classes in O(k log n), without a scan).
 
 Drivers change the view only through the methods below (a node report, a placement reserved, a
 sandbox closed, paused, resumed, a mount finished), so the indexes never go stale. No I/O, no clock,
@@ -62,6 +64,12 @@ class Cluster:
         self._up = _IdSet()
         self._layer_nodes: dict[str, _IdSet] = {}
         self._heap: list[tuple[float, str, int]] = []
+        # node id -> priority rank -> heap of (last_used, seq, view); stale entries are skipped lazily
+        self._idle: dict[str, dict[int, list[tuple[float, int, SandboxView]]]] = {}
+        self._idle_len: dict[str, int] = {}
+        # sandbox id -> seq of its newest heap entry (older entries of it are stale)
+        self._idle_key: dict[str, int] = {}
+        self._seq = 0
         for n in nodes:
             self.upsert(n)
 
@@ -133,6 +141,7 @@ class Cluster:
         self._nodes[node.node_id] = node
         for d in node.layers:
             self._index_layer(node.node_id, d)
+        self._idle_rebuild(node)
         if node.healthy:
             self._up.add(node.node_id)
         else:
@@ -144,6 +153,8 @@ class Cluster:
         node = self._nodes.pop(node_id, None)
         if node is not None:
             self._up.discard(node_id)
+            self._idle.pop(node_id, None)
+            self._idle_len.pop(node_id, None)
             for d in node.layers:
                 self._unindex_layer(node_id, d)
         return node
@@ -199,11 +210,56 @@ class Cluster:
 
     def track(self, view: SandboxView) -> None:
         """Let preemption and tides consider a live sandbox."""
-        self._nodes[view.node_id].sandboxes[view.id] = view
+        node = self._nodes[view.node_id]
+        node.sandboxes[view.id] = view
+        self._idle_push(view)
+        if self._idle_len[view.node_id] > 2 * len(node.sandboxes) + 64:
+            self._idle_rebuild(node)
+
+    def touched(self, view: SandboxView, now: float) -> None:
+        """A tracked sandbox served a call at `now` (it is not idle)."""
+        view.last_used = now
+        if view.state == "running":
+            self._idle_push(view)
+
+    def idle_victims(self, node_id: str, lowest_rank: int, idle_before: float) -> list[SandboxView]:
+        """Running tracked sandboxes of rank >= `lowest_rank` on a node whose last call was at or before
+        `idle_before`: lowest class first, longest idle first inside a class. Leaves the index as it was."""
+        return list(self.iter_idle(node_id, lowest_rank, idle_before))
+
+    def iter_idle(self, node_id: str, lowest_rank: int, idle_before: float) -> Iterator[SandboxView]:
+        """`idle_victims` one at a time (O(log n) each): stop early when you have enough. Close the
+        iterator (or run it out) before changing the cluster."""
+        heaps = self._idle.get(node_id)
+        if not heaps:
+            return
+        node = self._nodes[node_id]
+        for rank in sorted((r for r in heaps if r >= lowest_rank), reverse=True):
+            h = heaps[rank]
+            taken: list[tuple[float, int, SandboxView]] = []
+            try:
+                while h and h[0][0] <= idle_before:
+                    ent = heapq.heappop(h)
+                    v = ent[2]
+                    if (v.state != "running" or node.sandboxes.get(v.id) is not v
+                            or self._idle_key.get(v.id) != ent[1]):
+                        self._idle_len[node_id] -= 1
+                        continue  # paused, closed, or filed again since: this entry is stale
+                    if ent[0] != v.last_used:
+                        # the driver moved last_used without touched(): file it under its new time
+                        self._idle_len[node_id] -= 1
+                        self._idle_push(v)
+                        continue
+                    taken.append(ent)
+                    yield v
+            finally:
+                for ent in taken:
+                    heapq.heappush(h, ent)
 
     def untrack(self, node_id: str, sandbox_id: str) -> SandboxView | None:
         """Forget a sandbox (closed)."""
         node = self._nodes.get(node_id)
+        self._idle_key.pop(sandbox_id, None)
         return node.sandboxes.pop(sandbox_id, None) if node is not None else None
 
     def paused(self, view: SandboxView, returned_mb: int = 0) -> None:
@@ -233,6 +289,8 @@ class Cluster:
         node.running += 1
         node.paused -= 1
         node.used_mb += taken_mb
+        if node.sandboxes.get(view.id) is view:
+            self._idle_push(view)
         self._touch(node)
 
     def mount_started(self, node: NodeState, layers: Iterable[str]) -> None:
@@ -270,6 +328,28 @@ class Cluster:
     def _rebuild_heap(self) -> None:
         self._heap = [(-self.free_mb(n), n.node_id, n.version) for n in self._nodes.values() if n.healthy]
         heapq.heapify(self._heap)
+
+    def _idle_push(self, view: SandboxView) -> None:
+        self._seq += 1
+        heaps = self._idle.setdefault(view.node_id, {})
+        h = heaps.get(view.priority)
+        if h is None:
+            h = heaps[view.priority] = []
+        heapq.heappush(h, (view.last_used, self._seq, view))
+        self._idle_key[view.id] = self._seq
+        self._idle_len[view.node_id] = self._idle_len.get(view.node_id, 0) + 1
+
+    def _idle_rebuild(self, node: NodeState) -> None:
+        heaps: dict[int, list[tuple[float, int, SandboxView]]] = {}
+        for v in node.sandboxes.values():
+            if v.state == "running":
+                self._seq += 1
+                heaps.setdefault(v.priority, []).append((v.last_used, self._seq, v))
+                self._idle_key[v.id] = self._seq
+        for h in heaps.values():
+            heapq.heapify(h)
+        self._idle[node.node_id] = heaps
+        self._idle_len[node.node_id] = sum(len(h) for h in heaps.values())
 
     def _index_layer(self, nid: str, digest: str) -> None:
         s = self._layer_nodes.get(digest)

@@ -34,8 +34,10 @@ def cold_layers(node: NodeState, req: Request) -> tuple[str, ...]:
     return tuple(d for d in req.layers if d not in have)
 
 
-def score(node: NodeState, req: Request, policy: Policy) -> float:
-    """How good `node` is for `req` (higher is better); -inf when the request does not fit there."""
+def score(node: NodeState, req: Request, policy: Policy, mounts: bool = True) -> float:
+    """How good `node` is for `req` (higher is better); -inf when the request does not fit there.
+
+    `mounts=False` ignores the cold-mount bound (is there room at all, once the node's mounts finish?)."""
     if not node.healthy or req.backend not in node.backends or node.node_id in req.avoid:
         return _NEG
     limit = node.mem_limit_mb
@@ -56,7 +58,7 @@ def score(node: NodeState, req: Request, policy: Policy) -> float:
                 cold += 1
         slots = node.cold_slots
         # a node already mounting as much as it can read waits; an idle one may always start
-        if cold and slots and node.cold_mounts and node.cold_mounts + cold > slots:
+        if cold and slots and mounts and node.cold_mounts and node.cold_mounts + cold > slots:
             return _NEG
         s += policy.locality_weight * (len(layers) - cold) / len(layers)
         if slots:
@@ -124,6 +126,10 @@ def place(req: Request, nodes: Cluster | Iterable[NodeState], policy: Policy | N
                 best, best_s = node, s
                 break
     if best is None:
+        if any(score(node, req, p, mounts=False) != _NEG for node in cluster.by_headroom()):
+            raise CapacityExceeded(
+                f"every node with room for a sandbox of image {req.image!r} is busy mounting layers; "
+                "retry in a moment", retry_after_s=0.5, reason="mounting")
         raise _no_room(cluster, req)
     return Placement(best.node_id, cold_layers(best, req) if req.layers else (), (), best_s)
 
@@ -134,7 +140,7 @@ def _no_room(cluster: Cluster, req: Request) -> CapacityExceeded:
     return CapacityExceeded(
         f"no node can take a sandbox of {req.memory_mb} MiB / {req.cpus} CPUs on backend {req.backend!r} now "
         f"(most memory left on one node: {free} MiB, healthy nodes: {len(cluster.healthy_ids())}); retry later, "
-        "close sandboxes, or ask for less", retry_after_s=2.0, largest_free_mb=free)
+        "close sandboxes, or ask for less", retry_after_s=2.0, largest_free_mb=free, reason="capacity")
 
 
 def place_many(req: Request, n: int, nodes: Cluster | Iterable[NodeState], policy: Policy | None = None

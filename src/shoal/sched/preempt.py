@@ -16,15 +16,11 @@ The driver does the pausing (the node agent's pause + reclaim) and reports it wi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from shoal.sched.cluster import Cluster
 from shoal.sched.policy import Policy
 from shoal.sched.state import NodeState, Request, SandboxView
-
-
-def victim_order(v: SandboxView) -> tuple[int, float, int]:
-    """Sort key of pause candidates: lowest class first, then longest idle, then largest."""
-    return (-v.priority, v.last_used, -v.memory_mb)
 
 
 def _room_after(node: NodeState, req: Request, p: Policy, mem: int, cpus: float, run: int, used: int) -> int:
@@ -42,12 +38,12 @@ def _room_after(node: NodeState, req: Request, p: Policy, mem: int, cpus: float,
 
 
 class _Cand:
-    __slots__ = ("cpus", "i", "mem", "node", "run", "taken", "used", "victims")
+    __slots__ = ("cpus", "it", "mem", "node", "run", "taken", "used", "victims")
 
-    def __init__(self, node: NodeState, victims: list[SandboxView], base: int) -> None:
+    def __init__(self, node: NodeState, it: Iterator[SandboxView], base: int) -> None:
         self.node = node
-        self.victims = victims
-        self.i = 0
+        self.it = it
+        self.victims: list[SandboxView] = []
         self.mem = 0
         self.cpus = 0.0
         self.run = 0
@@ -59,57 +55,62 @@ def plan_preemption(req: Request, n: int, cluster: Cluster, now: float
                     ) -> dict[str, tuple[int, list[SandboxView]]]:
     """Idle lower-priority sandboxes to pause so that up to `n` more copies of `req` fit.
 
-    Returns node id -> (copies that fit there once its victims are paused, victims). Empty when no
-    idle sandbox of a low enough class exists. Reads `cluster` and never changes it."""
+    Only sandboxes the driver tracks (`Cluster.track`) are candidates. Returns node id -> (copies that
+    fit there once its victims are paused, victims). Empty when no idle sandbox of a low enough class
+    exists. Reads `cluster` and never changes it. Costs O(victims log n) plus O(nodes)."""
     p = cluster.policy
     lowest = req.priority + p.preempt_gap
     if n <= 0 or lowest >= len(p.priorities):
         return {}
-    cands: list[_Cand] = []
+    idle_before = now - p.min_idle_s
+    cands: list[tuple[int, _Cand]] = []
     for nid in cluster.healthy_ids():
         node = cluster.node(nid)
         if req.backend not in node.backends or nid in req.avoid:
             continue
-        if not any(r >= lowest for r in node.by_priority):
+        low = max((r for r in node.by_priority if r >= lowest), default=-1)
+        if low < 0:
             continue
-        idle_before = now - p.min_idle_s
-        victims = [v for v in node.sandboxes.values()
-                   if v.state == "running" and v.priority >= lowest and v.last_used <= idle_before]
-        if not victims:
-            continue
-        victims.sort(key=victim_order)
-        cands.append(_Cand(node, victims, _room_after(node, req, p, 0, 0.0, 0, 0)))
+        it = cluster.iter_idle(nid, lowest, idle_before)
+        cands.append((low, _Cand(node, it, _room_after(node, req, p, 0, 0.0, 0, 0))))
     if not cands:
         return {}
-    # nodes whose idle sandboxes are of the lowest class go first; then those with most to give
-    cands.sort(key=lambda c: (-c.victims[0].priority, -sum(v.memory_mb for v in c.victims)))
+    # nodes holding sandboxes of the lowest classes go first; then those with the most promised memory
+    cands.sort(key=lambda lc: (-lc[0], -lc[1].node.committed_mb))
+    order = [c for _, c in cands]
     budget = p.max_victims * n
     left = n
-    per_node = math.ceil(n / len(cands))
-    for cap in (per_node, n):  # a spread pass, then whatever room is left
-        for c in cands:
-            if left <= 0 or budget <= 0:
-                break
-            got = _room_after(c.node, req, p, c.mem, c.cpus, c.run, c.used) - c.taken
-            target = min(left + got, cap)
-            while got < target and c.i < len(c.victims) and budget > 0:
-                v = c.victims[c.i]
-                c.i += 1
-                budget -= 1
-                c.mem += v.memory_mb
-                c.cpus += v.cpus
-                c.run += 1
-                c.used += v.used_mb
-                new = _room_after(c.node, req, p, c.mem, c.cpus, c.run, c.used) - c.taken
-                left -= new - got
-                got = new
-            left = max(left, 0)
+    try:
+        per_node = math.ceil(n / len(order))
+        for cap in (per_node, n):  # a spread pass, then whatever room is left
+            for c in order:
+                if left <= 0 or budget <= 0:
+                    break
+                got = _room_after(c.node, req, p, c.mem, c.cpus, c.run, c.used) - c.taken
+                target = min(left + got, cap)
+                while got < target and budget > 0:
+                    v = next(c.it, None)
+                    if v is None:
+                        break
+                    c.victims.append(v)
+                    budget -= 1
+                    c.mem += v.memory_mb
+                    c.cpus += v.cpus
+                    c.run += 1
+                    c.used += v.used_mb
+                    new = _room_after(c.node, req, p, c.mem, c.cpus, c.run, c.used) - c.taken
+                    left -= new - got
+                    got = new
+                left = max(left, 0)
+    finally:
+        for c in order:
+            c.it.close()  # type: ignore[attr-defined]
     out: dict[str, tuple[int, list[SandboxView]]] = {}
-    for c in cands:
-        if c.i:
+    for c in order:
+        if c.victims:
             copies = _room_after(c.node, req, p, c.mem, c.cpus, c.run, c.used) - c.taken
             if copies > 0:
-                out[c.node.node_id] = (copies, c.victims[:c.i])
+                out[c.node.node_id] = (copies, c.victims)
     _trim(out, n)
     return out
 
@@ -129,21 +130,27 @@ def _trim(out: dict[str, tuple[int, list[SandboxView]]], n: int) -> None:
         total -= cut
 
 
-def plan_tides(node: NodeState, now: float, policy: Policy) -> list[SandboxView]:
-    """Sandboxes to pause on a node whose used memory is over `tide_high`; [] when memory is not tight."""
-    if node.used_mb < policy.tide_high * node.memory_mb:
+def plan_tides(node_id: str, cluster: Cluster, now: float) -> list[SandboxView]:
+    """Sandboxes to pause on a node whose used memory is over `tide_high`; [] when memory is not tight.
+
+    Lowest class first, longest idle first, only those idle at least `tide_idle_s`, until the node would
+    be back under `tide_low`. Reads `cluster` and never changes it."""
+    p = cluster.policy
+    node = cluster.node(node_id)
+    if node.used_mb < p.tide_high * node.memory_mb:
         return []
-    need = node.used_mb - policy.tide_low * node.memory_mb
-    idle_before = now - policy.tide_idle_s
-    victims = [v for v in node.sandboxes.values() if v.state == "running" and v.last_used <= idle_before]
-    victims.sort(key=victim_order)
+    need = node.used_mb - p.tide_low * node.memory_mb
     out: list[SandboxView] = []
     freed = 0
-    for v in victims:
-        if freed >= need:
-            break
-        out.append(v)
-        freed += v.used_mb
+    it = cluster.iter_idle(node_id, 0, now - p.tide_idle_s)
+    try:
+        for v in it:
+            if freed >= need:
+                break
+            out.append(v)
+            freed += v.used_mb
+    finally:
+        it.close()  # type: ignore[attr-defined]
     return out
 
 
