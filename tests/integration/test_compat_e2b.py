@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shoal.server.proc import ServerProcess
-from shoal.server.tokens import TokenStore
+from shoal.server.tokens import Quota, TokenStore
 
 e2b = pytest.importorskip("e2b", reason="the compat extra (pip install -e .[compat]) brings the E2B SDK")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
@@ -65,6 +65,11 @@ def test_e2b_sandbox_commands_files_and_lifecycle(e2b_env: dict) -> None:
     sb.commands.send_stdin(h.pid, "line one\n")
     sb.commands.close_stdin(h.pid)
     assert h.wait().stdout == "line one\n"
+    # stdin as a client stream (StreamInput)
+    h = sb.commands.run("cat", background=True, stdin=True)
+    sb.commands.stream_input(h.pid, ["a", b"b", "c\n"])
+    sb.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "abc\n"
     # background + list + kill
     h = sb.commands.run("sleep 600", background=True)
     assert h.pid in {p.pid for p in sb.commands.list()}
@@ -231,3 +236,16 @@ def test_e2b_pty_reconnect_pause_and_fork(e2b_env: dict) -> None:
     e2b_env["made"].extend(k for k in kids if not isinstance(k, Exception))
     assert [type(k).__name__ for k in kids] == ["Sandbox", "Sandbox"]
     assert {k.commands.run("cat /work/f").stdout for k in kids} == {"kept"}
+
+
+def test_e2b_quota_applies(e2b_env: dict, shoal_home: Path) -> None:
+    """An E2B key is a shoal token: its project's quota bounds what it creates."""
+    from e2b import Sandbox, SandboxException
+
+    token = TokenStore(shoal_home).create(f"e2b-q-{secrets.token_hex(3)}", quota=Quota(max_sandboxes=1))
+    sb = Sandbox.create(timeout=120, api_key=token)
+    e2b_env["made"].append(sb)
+    with pytest.raises(SandboxException, match="quota"):
+        Sandbox.create(timeout=120, api_key=token)
+    sb.kill()
+    e2b_env["made"].append(Sandbox.create(timeout=120, api_key=token))  # room again

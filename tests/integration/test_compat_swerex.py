@@ -17,6 +17,7 @@ from shoal.server.tokens import TokenStore
 swerex = pytest.importorskip("swerex", reason="the compat extra (pip install -e .[compat]) brings SWE-ReX")
 
 from swerex.exceptions import (  # noqa: E402
+    BashIncorrectSyntaxError,
     CommandTimeoutError,
     NonZeroExitCodeError,
     SessionDoesNotExistError,
@@ -83,6 +84,10 @@ async def test_swerex_sessions_keep_state(rex: dict) -> None:
     await rt.close_session(CloseBashSessionRequest(session="two"))
     with pytest.raises(SessionDoesNotExistError):
         await rt.run_in_session(BashAction(command="true", session="two"))
+    # a command bash cannot parse: SWE-ReX's BashIncorrectSyntaxError, and none of it ran
+    with pytest.raises(BashIncorrectSyntaxError):
+        await rt.run_in_session(BashAction(command="export X=changed; if then fi"))
+    assert (await rt.run_in_session(BashAction(command="echo $X"))).output.strip() == "42"
     with pytest.raises(SwerexException, match="interactive"):
         await rt.run_in_session(BashAction(command="python3", is_interactive_command=True))
     await rt.close()

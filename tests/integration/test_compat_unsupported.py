@@ -59,7 +59,6 @@ def test_unsupported_endpoints_answer_clear_errors(api_server: ServerProcess, sh
         rpc = [
             ("filesystem.Filesystem/WatchDir", "watching", 501, True),
             ("filesystem.Filesystem/CreateWatcher", "watching", 501, False),
-            ("process.Process/StreamInput", "streaming stdin", 501, True),
             ("process.Process/Bogus", "Bogus", 501, False),
             ("process.Process/SendSignal", "signal", 400, False),
             ("process.Process/SendInput", "not found", 404, False),

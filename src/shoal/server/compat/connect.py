@@ -204,3 +204,48 @@ async def server_stream(request: Request,
         yield end_stream()
 
     return StreamingResponse(frames(), media_type=STREAM_JSON)
+
+
+async def _envelopes(request: Request, limit: int = 16 << 20) -> AsyncIterator[dict[str, Any]]:
+    """The messages of an enveloped (streaming) request body, as they arrive."""
+    buf = b""
+    async for chunk in request.stream():
+        buf += chunk
+        while len(buf) >= 5:
+            flags, n = struct.unpack(">BI", buf[:5])
+            if n > limit:
+                raise RpcError("resource_exhausted", f"request message larger than {limit} bytes")
+            if len(buf) < 5 + n:
+                break
+            data, buf = buf[5:5 + n], buf[5 + n:]
+            if flags & 0x01:
+                raise RpcError("unimplemented", "compressed messages are not supported")
+            if flags & END_STREAM:
+                return
+            try:
+                msg = json.loads(data) if data.strip() else {}
+            except (ValueError, UnicodeDecodeError) as e:
+                raise RpcError("invalid_argument", f"request message is not valid JSON: {e}") from None
+            if not isinstance(msg, dict):
+                raise RpcError("invalid_argument", "request message must be a JSON object")
+            yield msg
+    if buf:
+        raise RpcError("invalid_argument", "truncated envelope at the end of the request stream")
+
+
+async def client_stream(request: Request,
+                        handler: Callable[[AsyncIterator[dict[str, Any]]], Awaitable[dict[str, Any]]]) -> Response:
+    """Answer a client-streaming call: `handler` consumes the request messages and returns one answer, sent as
+    one envelope and the end of the stream (errors end the stream instead)."""
+    if not is_stream_request(request):
+        return error_response(RpcError("unimplemented", "this method takes a stream: send Content-Type "
+                                                        "application/connect+json with enveloped messages"))
+    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    try:
+        if ctype != STREAM_JSON:
+            raise RpcError("unimplemented", f"codec {ctype!r} is not supported: shoal's envd speaks JSON only")
+        out = await handler(_envelopes(request))
+        body = envelope(out) + end_stream()
+    except Exception as e:
+        body = end_stream(rpc_error(e))
+    return Response(body, media_type=STREAM_JSON)

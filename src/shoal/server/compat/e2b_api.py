@@ -163,7 +163,18 @@ async def _create(request: Request) -> Response:
             res.commit(info.id)
         finally:
             res.release()
+    prune(st)
     return JSONResponse(created(st, who, info), status_code=201)
+
+
+def prune(st: ServerState) -> None:
+    """Forget what the compat layer holds for sandboxes that are gone (closed elsewhere, or by their TTL)."""
+    from shoal.server.compat import e2b_interpreter, swerex
+
+    with contextlib.suppress(Exception):
+        e2b_interpreter.contexts(st).prune(st)
+    with contextlib.suppress(Exception):
+        swerex.prune(st)
 
 
 @router.post("/sandboxes")

@@ -4,12 +4,11 @@ The router (`shoal.server.compat.routing`) sends a request here when it names a 
 `E2b-Sandbox-Id` header (clients with `E2B_SANDBOX_URL`) or by a `<port>-<id>.<domain>` Host (clients with
 `E2B_DOMAIN` behind a TLS proxy). Served:
 
-- Connect RPC (JSON codec) `process.Process`: Start, Connect, List, SendInput, SendSignal, CloseStdin,
-  Update (PTY size); `filesystem.Filesystem`: Stat, ListDir, MakeDir, Move, Remove.
+- Connect RPC (JSON codec) `process.Process`: Start, Connect, List, SendInput, StreamInput, SendSignal,
+  CloseStdin, Update (PTY size); `filesystem.Filesystem`: Stat, ListDir, MakeDir, Move, Remove.
 - HTTP: `GET /health`, `GET /files?path=` (download), `POST /files` (multipart or octet-stream upload).
 
-Not served (answered `unimplemented` / 501 naming them): StreamInput, directory watching, `/init`, `/envs`,
-`/metrics`.
+Not served (answered `unimplemented` / 501 naming them): directory watching, `/init`, `/envs`, `/metrics`.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import binascii
 import contextlib
 import logging
 import posixpath
+import re
 import stat as statmod
 from datetime import UTC, datetime
 from typing import Any
@@ -28,7 +28,15 @@ from fastapi.responses import JSONResponse
 
 from shoal.errors import FileNotFound, InvalidRequest, SandboxFileError, SandboxNotFound
 from shoal.server.compat import common
-from shoal.server.compat.connect import RpcError, error_response, rpc_error, server_stream, timeout_s, unary
+from shoal.server.compat.connect import (
+    RpcError,
+    client_stream,
+    error_response,
+    rpc_error,
+    server_stream,
+    timeout_s,
+    unary,
+)
 from shoal.server.compat.e2b_procs import table
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
@@ -190,6 +198,32 @@ async def process_send_signal(request: Request) -> Response:
         return {}
 
     return await unary(request, handler)
+
+
+@router.post("/process.Process/StreamInput")
+async def process_stream_input(request: Request) -> Response:
+    """Feed a process's stdin (or PTY) from a client stream: a `start` naming the process, then `data` events."""
+
+    async def handler(messages: Any) -> dict[str, Any]:
+        st, _who, sid = _target(request)
+        p = None
+        async for msg in messages:
+            if "start" in msg:
+                p = table(st).find(sid, (msg["start"] or {}).get("process"))
+                if not p.stdin:
+                    raise RpcError("failed_precondition", f"process {p.pid} was not started with stdin=True")
+            elif "data" in msg:
+                if p is None:
+                    raise RpcError("failed_precondition", "the input stream must start with a start event")
+                inp = (msg["data"] or {}).get("input") or {}
+                key = "pty" if "pty" in inp else "stdin"
+                await p.handle.write_stdin(_b64(inp.get(key, ""), f"input.{key}"))
+            # keepalive messages only keep the stream open
+        if p is None:
+            raise RpcError("invalid_argument", "the input stream had no start event")
+        return {}
+
+    return await client_stream(request, handler)
 
 
 @router.post("/process.Process/Update")
@@ -362,7 +396,7 @@ async def unsupported_rpc(method: str, request: Request) -> Response:
     svc = request.url.path.split("/")[-2]
     what = {"WatchDir": "watching directories", "CreateWatcher": "watching directories",
             "GetWatcherEvents": "watching directories", "RemoveWatcher": "watching directories",
-            "StreamInput": "streaming stdin (use send_stdin)"}.get(method, "this method")
+            }.get(method, "this method")
     err = RpcError("unimplemented", f"{svc}/{method}: {what} is not supported by shoal's envd (see docs/compat.md)")
     return error_response(err)
 
@@ -402,8 +436,9 @@ async def download(request: Request) -> Response:
         path = _abs(st, sid, request.query_params.get("path"))
         async with common.slot(st, who):
             data = await st.node.read_file(sid, path)
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", posixpath.basename(path)) or "file"
         return Response(data, media_type="application/octet-stream",
-                        headers={"Content-Disposition": f"attachment; filename={posixpath.basename(path)!r}"})
+                        headers={"Content-Disposition": f'attachment; filename="{name}"'})
     except SandboxFileError as e:
         return JSONResponse({"code": 400, "message": f"cannot read: {e.message}"}, status_code=400)
     except Exception as e:

@@ -131,6 +131,15 @@ class Contexts:
         self.by_key.pop((ctx.sandbox_id, ctx.id), None)
         await stop(ctx)
 
+    def prune(self, st: ServerState) -> None:
+        """Forget the contexts of sandboxes that are gone (closed by shoal's API or their TTL)."""
+        for sid in {k[0] for k in self.by_key}:
+            try:
+                st.node.record(sid)
+            except SandboxNotFound:
+                for key in [k for k in self.by_key if k[0] == sid]:
+                    self.by_key.pop(key, None)
+
     async def drop_sandbox(self, sandbox_id: str) -> None:
         """Forget every context of a sandbox (it was killed)."""
         for ctx in self.of(sandbox_id):

@@ -234,6 +234,7 @@ async def create_session(sandbox_id: str, request: Request) -> Response:
         if req.session_type != "bash":
             raise Transfer("builtins.ValueError", f"unknown session type: {req.session_type!r} (only bash)")
         table = _sessions(st)
+        prune(st)
         key = (sandbox_id, req.session)
         if key in table:
             raise Transfer(EXC + "SessionExistsError", f"session {req.session} already exists")
@@ -329,6 +330,8 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
                        f"timeout after {action.timeout} seconds while running command {action.command!r}")
     if not getattr(result, "alive", True):
         _sessions(st).pop((sandbox_id, sess.name), None)  # the command ended the shell (exit, exec)
+    if result.exit_code == 2 and "syntax error" in output:
+        await _check_syntax(st, sandbox_id, action.command)
     exit_code = None if action.check == "ignore" else int(result.exit_code)
     if action.check == "raise" and exit_code != 0:
         msg = f"Command {action.command!r} failed with exit code {exit_code}. Here is the output:\n{output!r}"
@@ -337,6 +340,20 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
         raise Transfer(EXC + "NonZeroExitCodeError", msg)
     return {"output": output, "exit_code": exit_code, "failure_reason": "", "expect_string": PS1,
             "session_type": "bash"}
+
+
+async def _check_syntax(st: ServerState, sandbox_id: str, command: str) -> None:
+    """Raise BashIncorrectSyntaxError when bash cannot parse `command` (checked only after a command failed with
+    bash's syntax-error status 2, so a good command costs nothing extra; a command that does not parse never
+    ran: the shell parses the whole `{ ...; }` group first)."""
+    r = await st.node.exec(sandbox_id, ["/bin/bash", "-n"], stdin=command.encode() + b"\n", timeout=30)
+    if r.exit_code == 0:
+        return
+    out, err = _text(r.stdout), _text(r.stderr)
+    raise Transfer(EXC + "BashIncorrectSyntaxError",
+                   f"Error (exit code {r.exit_code}) while checking bash command \n{command!r}\n"
+                   f"---- Stderr ----\n{err}\n---- Stdout ----\n{out}",
+                   {"bash_stdout": out, "bash_stderr": err})
 
 
 @router.post("/run_in_session")
@@ -523,6 +540,21 @@ async def close(sandbox_id: str, request: Request) -> Response:
         return JSONResponse({})
     except Exception as e:
         return _error(e)
+
+
+def prune(st: ServerState) -> None:
+    """Forget the sessions of sandboxes that are gone (closed by shoal's API or their TTL)."""
+    table = _sessions(st)
+    for key in [k for k in table if not _exists(st, k[0])]:
+        table.pop(key, None)
+
+
+def _exists(st: ServerState, sandbox_id: str) -> bool:
+    try:
+        st.node.record(sandbox_id)
+    except SandboxNotFound:
+        return False
+    return True
 
 
 async def close_all(st: ServerState, sandbox_id: str) -> None:
