@@ -116,7 +116,7 @@ async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
     return res
 
 
-async def _ok(code: int) -> None:
+async def _ok(code: int | None) -> None:
     if code != 0:
         raise RuntimeError(f"true exited {code}")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.datastructures import UploadFile
 
 from shoal.errors import FileNotFound, InvalidRequest, SandboxFileError, SandboxNotFound
 from shoal.server.compat import common
@@ -323,10 +324,10 @@ async def fs_list_dir(request: Request) -> Response:
                     if d == root:
                         raise RpcError("invalid_argument", f"{root} is not a directory: {e.message}") from None
                     continue  # an unreadable subdirectory: list what can be listed
-                for e in entries:
-                    p = posixpath.join(d, e.name)
-                    out.append(entry_info(p, e.type, e.size, e.mode, e.mtime))
-                    if e.type == "dir":
+                for ent in entries:
+                    p = posixpath.join(d, ent.name)
+                    out.append(entry_info(p, ent.type, ent.size, ent.mode, ent.mtime))
+                    if ent.type == "dir":
                         nxt.append(p)
                 if len(out) > 100_000:
                     raise RpcError("resource_exhausted", "listing has more than 100000 entries: list less deep")
@@ -458,7 +459,7 @@ async def upload(request: Request) -> Response:
         if ctype == "multipart/form-data":
             form = await request.form(max_files=10_000, max_fields=10_000, max_part_size=st.settings.max_upload_bytes)
             try:
-                parts = [v for _k, v in form.multi_items() if hasattr(v, "read")]
+                parts = [v for _k, v in form.multi_items() if isinstance(v, UploadFile)]
                 if not parts:
                     raise InvalidRequest("multipart upload without a file part")
                 one = request.query_params.get("path")

@@ -464,7 +464,8 @@ def _members(data: bytes, limit: int) -> list[tuple[str, bytes | None, int]]:
         zf = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile as e:
         raise Transfer("builtins.ValueError", f"unzip=true but the upload is not a zip file: {e}") from None
-    total, out = 0, []
+    total = 0
+    out: list[tuple[str, bytes | None, int]] = []
     with zf:
         for info in zf.infolist():
             name = info.filename
