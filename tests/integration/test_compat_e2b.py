@@ -150,6 +150,11 @@ def test_code_interpreter_keeps_state(e2b_env: dict) -> None:
     assert "ZeroDivisionError" in failed.error.traceback
     # subprocess output comes back too, and a separate context has its own namespace
     assert sb.run_code("import os; os.system('echo from-shell')").logs.stdout == ["from-shell\n"]
+    # a run the client stops waiting for is interrupted; the namespace survives it
+    with pytest.raises(e2b.TimeoutException):
+        sb.run_code("import time\nfor _ in range(300): time.sleep(0.1)\ny = 1", timeout=1)
+    after = sb.run_code("print(x); 'y' in globals()")
+    assert after.logs.stdout == ["42\n"] and after.text == "False"
     ctx = sb.create_code_context()
     assert sb.run_code("'x' in globals()", context=ctx).text == "False"
     assert sb.run_code("x", context=None).text == "42"
