@@ -26,6 +26,7 @@ from shoal.errors import (
     StoreUnavailable,
     Timeout,
     Unauthorized,
+    Unsupported,
 )
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
 from shoal.sdk.client import Client
@@ -40,6 +41,5 @@ __all__ = [
     "NotImplementedYet", "QuotaExceeded", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxNotFound", "SandboxSpec", "Shell",
     "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
-    "Timeout",
-    "Unauthorized", "__version__",
+    "Timeout", "Unauthorized", "Unsupported", "__version__",
 ]

@@ -424,6 +424,8 @@ class Settings:
     # ---- dev
     test_store: Path | None = setting(None, "dev", "the layer store the test suite uses", _optional(PATH),
                                       default_doc="/var/lib/shoal/store")
+    fake_backend: bool = setting(False, "dev", "allow backend=\"fake\": NO isolation (plain processes of this "
+                                 "user), for unit tests only", BOOL)
 
     #: where each value came from: "default", "file <path>", "env" or "argument" (not a setting)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -757,6 +759,8 @@ class NodeConfig:
     warm_pool: dict[str, int] = field(default_factory=lambda: dict(settings().warm_pool))
     #: string commands run with /bin/sh -c instead of /bin/bash -c (images without bash)
     posix_sh: bool = field(default_factory=lambda: settings().sh)
+    #: allow the "fake" backend (NO isolation: sandboxes are plain processes of this user; unit tests only)
+    fake_backend: bool = field(default_factory=lambda: settings().fake_backend)
 
     @classmethod
     def from_settings(cls, s: Settings, **overrides: Any) -> "NodeConfig":
@@ -764,6 +768,7 @@ class NodeConfig:
         kw: dict[str, Any] = {"paths": s.paths(), "node_id": s.node_id, "runtime": s.runtime,
                               "memory_overcommit": s.memory_overcommit, "min_free_memory_mb": s.min_free_mb,
                               "reclaim_on_pause": s.reclaim, "prefetch_on_resume": s.prefetch,
-                              "zram_swap": s.zram_swap, "warm_pool": dict(s.warm_pool), "posix_sh": s.sh}
+                              "zram_swap": s.zram_swap, "warm_pool": dict(s.warm_pool), "posix_sh": s.sh,
+                              "fake_backend": s.fake_backend}
         kw.update(overrides)
         return cls(**kw)

@@ -164,6 +164,13 @@ class NotImplementedYet(ShoalError, NotImplementedError):
     code = "not_implemented"
 
 
+class Unsupported(NotImplementedYet):
+    """The sandbox's backend cannot do this (e.g. pause a fncall pool, fork a container's memory); the
+    message names the backend and what to use instead."""
+
+    code = "unsupported"
+
+
 ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
     cls.code: cls
     for cls in (
@@ -187,6 +194,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         Unauthorized,
         Forbidden,
         NotImplementedYet,
+        Unsupported,
     )
 }
 

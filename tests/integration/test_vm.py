@@ -184,7 +184,7 @@ async def test_fork_keeps_running_processes(vclient: shoal.Client) -> None:
 
 
 async def test_named_snapshot_restores_memory(vclient: shoal.Client) -> None:
-    from shoal.backends.vm import list_vm_snapshots, remove_vm_snapshot, restore_vm_snapshot
+    from shoal.backends.vm import list_vm_snapshots, remove_vm_snapshot
 
     node = node_of(vclient)
     sb = await vclient.create("base", backend="microvm", memory_mb=256)
@@ -192,17 +192,17 @@ async def test_named_snapshot_restores_memory(vclient: shoal.Client) -> None:
     pid = r.stdout.strip().decode()
     snap = await sb.snapshot("t-vm-snap")
     assert snap["kind"] == "vm-memory" and snap["memory_bytes"] > 0
-    assert any(s["name"] == "t-vm-snap" for s in list_vm_snapshots(node))
+    assert any(s["name"] == "t-vm-snap" for s in list_vm_snapshots(node.paths))
     await sb.close()  # the snapshot does not depend on its parent
     try:
-        [info] = await restore_vm_snapshot(node, "t-vm-snap", 1)
+        [info] = await node.restore("t-vm-snap", 1)
         assert not isinstance(info, Exception), info
         r = await node.exec(info.id, f"cat /proc/{pid}/cmdline | tr '\\0' ' '")
         assert r.stdout == b"sleep 777 ", r
         await node.close(info.id)
     finally:
-        remove_vm_snapshot(node, "t-vm-snap")
-    assert not any(s["name"] == "t-vm-snap" for s in list_vm_snapshots(node))
+        remove_vm_snapshot(node.paths, "t-vm-snap")
+    assert not any(s["name"] == "t-vm-snap" for s in list_vm_snapshots(node.paths))
 
 
 async def test_node_restart_reattaches_to_running_vm(vclient: shoal.Client) -> None:
@@ -212,7 +212,10 @@ async def test_node_restart_reattaches_to_running_vm(vclient: shoal.Client) -> N
     sb = await vclient.create("base", backend="microvm", memory_mb=256)
     pid = (await sb.exec("sh -c 'sleep 900 >/dev/null 2>&1 & echo $!'")).stdout.strip().decode()
     # the node agent "dies": its end of the VM's agent channel goes away, the VM keeps running
-    await node._clients.pop(sb.id).close()
+    client = node.connections.get(sb.id)
+    assert client is not None
+    node.connections.forget(sb.id)
+    await client.close()
     other = Node()
     await other.start(reap=False)  # another process would do the same: re-adopt from the records
     try:

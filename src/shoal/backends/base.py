@@ -1,24 +1,113 @@
-"""What every backend provides to the node agent. Exec, files and shells are not here: they go through
-the in-sandbox agent's protocol, identical on every backend, once `connect()` returned a client."""
+"""The backend interface: every operation a backend can offer the node, and the capabilities it declares.
+
+Exec, files and shells are not here: they go through the in-sandbox agent's protocol, identical on every
+backend, once `connect()` returned a client. The node asks `backend.capabilities` before it routes an
+operation (pause, reclaim, snapshot, fork, restore); an operation a backend lacks raises `Unsupported`
+naming the backend and what to use instead. How to add a backend: docs/architecture.md.
+"""
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from shoal.images.store import Image
-from shoal.models import SandboxSpec
-from shoal.node.records import SandboxRecord
+from shoal.errors import ShoalError, Unsupported
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.images.store import Image
+    from shoal.models import SandboxInfo, SandboxSpec
+    from shoal.node.context import NodeContext
+    from shoal.node.records import SandboxRecord
+
+
+class Capability(enum.Enum):
+    """What a backend can do beyond create / connect / destroy."""
+
+    #: hosts sandboxes (create, connect, destroy); fncall does not: it runs code on pooled containers
+    SANDBOXES = "sandboxes"
+    #: pause/resume: freeze every process, thaw them again
+    PAUSE = "pause"
+    #: give a paused sandbox's memory back to the host, and read its working set back before the thaw
+    RECLAIM = "reclaim"
+    #: the writable layer is a directory on the host (`upper_dir`): snapshot into an image, fork from files
+    SNAPSHOT_FILES = "snapshot_files"
+    #: a named snapshot of memory, processes and disks (`snapshot_memory`)
+    SNAPSHOT_MEMORY = "snapshot_memory"
+    #: children that continue the parent's processes and memory (`fork_memory`)
+    FORK_MEMORY = "fork_memory"
+    #: new sandboxes resumed from a named memory snapshot (`restore`)
+    RESTORE = "restore"
+    #: `network=True` (a veth pair and NAT, or the VMM's equivalent)
+    NETWORK = "network"
+    #: short code runs on warm pools (`run_code`)
+    RUN_CODE = "run_code"
+
+
+#: what each capability lets a caller do, for error messages
+_DOING = {
+    Capability.SANDBOXES: "host sandboxes",
+    Capability.PAUSE: "pause or resume sandboxes",
+    Capability.RECLAIM: "reclaim the memory of paused sandboxes",
+    Capability.SNAPSHOT_FILES: "snapshot or fork a sandbox's files",
+    Capability.SNAPSHOT_MEMORY: "snapshot a sandbox's memory",
+    Capability.FORK_MEMORY: "fork a sandbox's processes and memory",
+    Capability.RESTORE: "restore memory snapshots",
+    Capability.NETWORK: "give sandboxes a network",
+    Capability.RUN_CODE: "run code snippets",
+}
 
 
 class Backend(ABC):
-    """Where a sandbox lives: creates it, reaches its agent, pauses it, and cleans it up."""
+    """Where a sandbox lives: creates it, reaches its agent, pauses it, and cleans it up.
 
+    A backend is built by its registry factory with the node's public `NodeContext` (paths, store, layer
+    mounts, network, admission, agent connections, settings); it never holds the Node itself.
+    """
+
+    #: the registry name ("container", "microvm", ...)
     name: str = "?"
+    #: what this backend offers beyond create/connect/destroy; the node routes by this set only
+    capabilities: frozenset[Capability] = frozenset({Capability.SANDBOXES})
+    #: per missing capability, what to use instead (completes the `Unsupported` message)
+    instead: dict[Capability, str] = {}
+
+    def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
+        self.ctx = ctx
+        if name is not None:
+            self.name = name
+
+    # ---- capability checks -----------------------------------------------------------------------
+    def can(self, cap: Capability) -> bool:
+        """True when this backend declares `cap`."""
+        return cap in self.capabilities
+
+    def require(self, cap: Capability) -> None:
+        """Raise `Unsupported` unless this backend declares `cap`."""
+        if cap not in self.capabilities:
+            raise self.unsupported(cap)
+
+    def unsupported(self, cap: Capability) -> Unsupported:
+        """The error for a missing capability: names the backend and what to use instead."""
+        hint = self.instead.get(cap) or "see docs/architecture.md for which backend offers what"
+        return Unsupported(f"the {self.name} backend cannot {_DOING[cap]}: {hint}",
+                           backend=self.name, capability=cap.value)
+
+    # ---- host setup ------------------------------------------------------------------------------
+    async def prepare(self) -> dict[str, Any]:
+        """One-time host setup (a guest kernel, a runtime probe); cached, so cheap to call again."""
+        return {}
+
+    async def close(self) -> None:
+        """Release what this node process holds for the backend (services, pending connections)."""
+        return None
+
+    # ---- the life of one sandbox -----------------------------------------------------------------
+    def make_dir(self, d: Path) -> None:
+        """Create the sandbox directory (record, sockets, bundle)."""
+        d.mkdir()
 
     @abstractmethod
     async def create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
@@ -36,22 +125,46 @@ class Backend(ABC):
         """True when the sandbox's init process still runs."""
         return rec.init_alive()
 
+    def info(self, rec: SandboxRecord) -> dict[str, Any]:
+        """Backend-specific facts for SandboxInfo.extra (e.g. KVM or TCG)."""
+        return {}
+
+    # ---- Capability.PAUSE ------------------------------------------------------------------------
     async def pause(self, rec: SandboxRecord) -> None:
         """Freeze the sandbox."""
-        from shoal.errors import NotImplementedYet
-
-        raise NotImplementedYet(f"pause is not supported by the {self.name} backend")
+        raise self.unsupported(Capability.PAUSE)
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Thaw the sandbox."""
-        from shoal.errors import NotImplementedYet
+        raise self.unsupported(Capability.PAUSE)
 
-        raise NotImplementedYet(f"resume is not supported by the {self.name} backend")
+    # ---- Capability.RECLAIM ----------------------------------------------------------------------
+    async def reclaim(self, rec: SandboxRecord, *, record_working_set: bool) -> dict[str, Any]:
+        """After a pause: give the sandbox's memory back to the host (and record its working set)."""
+        raise self.unsupported(Capability.RECLAIM)
 
-    def upper_dir(self, rec: SandboxRecord) -> Path | None:
-        """The sandbox's private writable layer on the host (for snapshots), if it has one."""
+    async def prefetch(self, rec: SandboxRecord) -> dict[str, Any]:
+        """Before a thaw: read the working set recorded by `reclaim` back in."""
+        raise self.unsupported(Capability.RECLAIM)
+
+    def forget_working_set(self, rec: SandboxRecord) -> None:
+        """After a thaw: drop the recorded working set."""
         return None
 
-    def info(self, rec: SandboxRecord) -> dict:
-        """Backend-specific facts for SandboxInfo.extra (e.g. KVM or TCG)."""
-        return {}
+    # ---- Capability.SNAPSHOT_FILES ---------------------------------------------------------------
+    def upper_dir(self, rec: SandboxRecord) -> Path | None:
+        """The sandbox's private writable layer on the host (for file snapshots), if it has one."""
+        return None
+
+    # ---- Capability.SNAPSHOT_MEMORY / FORK_MEMORY / RESTORE --------------------------------------
+    async def snapshot_memory(self, rec: SandboxRecord, name: str) -> dict[str, Any]:
+        """Save memory, processes and disks as the named snapshot."""
+        raise self.unsupported(Capability.SNAPSHOT_MEMORY)
+
+    async def fork_memory(self, rec: SandboxRecord, n: int, **overrides: Any) -> list[SandboxInfo | ShoalError]:
+        """`n` children that continue the parent's processes and memory; per-item errors."""
+        raise self.unsupported(Capability.FORK_MEMORY)
+
+    async def restore(self, name: str, n: int = 1) -> list[SandboxInfo | ShoalError]:
+        """`n` new sandboxes resumed from a named memory snapshot; per-item errors."""
+        raise self.unsupported(Capability.RESTORE)

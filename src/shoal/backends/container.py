@@ -14,27 +14,26 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from shoal.backends.base import Backend
+from shoal.backends.base import Backend, Capability
 from shoal.backends.guestfs import GuestFiles
 from shoal.backends.oci import build_config, render_config
+from shoal.backends.registry import make_runtime
 from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
-from shoal.config import Paths
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
-from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
 from shoal.node.disk import UpperPool
-from shoal.node.reclaim import sandbox_swap_mb
+from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
 from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
-    from shoal.node.network import NetworkManager
+    from shoal.node.context import NodeContext
 
 # Overlay options: no redirect/metacopy/index so an upper dir is a plain tree we can pack as a layer;
 # volatile skips syncs of the upper (a sandbox never outlives its host, so durability buys nothing).
@@ -76,26 +75,44 @@ class ContainerBackend(Backend):
     """OCI containers with the shoal agent as PID 1."""
 
     name = "container"
+    capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.RECLAIM,
+                              Capability.SNAPSHOT_FILES, Capability.NETWORK})
+    instead = {
+        Capability.SNAPSHOT_MEMORY: "snapshot(name) saves the files as an image; memory snapshots need "
+                                    "backend='microvm' or 'vm'",
+        Capability.FORK_MEMORY: "containers fork their files only: fork(n) without memory=True (processes start "
+                                "again in the children); forking processes and memory needs backend='microvm' or 'vm' "
+                                "(CRIU fails on this kernel; gVisor checkpoint/restore is not driven by shoal yet)",
+        Capability.RESTORE: "create from the image a snapshot made (client.create(name)); memory snapshots "
+                            "are restored by the VM backends",
+    }
 
-    def __init__(self, paths: Paths, layer_mounts: LayerMounts, statuses: dict[str, RuntimeStatus],
-                 guest_dir: Path, default_runtime: str = "auto",
-                 network: NetworkManager | None = None, upper_pool: UpperPool | None = None) -> None:
-        self.paths = paths
-        self.layer_mounts = layer_mounts
-        self.statuses = statuses
-        self.guest_dir = guest_dir
-        self.default_runtime = default_runtime
-        self.network = network
-        self.upper_pool = upper_pool or UpperPool(paths)
+    def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
+        super().__init__(ctx, name)
+        self.paths = ctx.paths
+        self.layer_mounts = ctx.layer_mounts
+        self.guest_dir = ctx.guest_dir
+        self.default_runtime = ctx.config.runtime
+        self.upper_pool = UpperPool(ctx.paths)
         self._runtimes: dict[str, OciRuntime] = {}
         # sandbox directories (record, bundle, socket) in memory: see shoal.node.volatile
-        self.volatile = VolatileDirs(paths)
+        self.volatile = VolatileDirs(ctx.paths)
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
         self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
         #: the agent and the masking files, on a tmpfs of their own (see shoal.backends.guestfs)
-        self.guestfs = GuestFiles(paths, guest_dir / "shoal-agent")
+        self.guestfs = GuestFiles(ctx.paths, ctx.agent_binary)
+
+    @property
+    def statuses(self) -> dict[str, RuntimeStatus]:
+        """Which OCI runtimes work on this host (the node probes them once per boot)."""
+        return self.ctx.runtime_statuses()
+
+    async def prepare(self) -> dict[str, Any]:
+        """Probe the OCI runtimes (cached per boot) and report which work."""
+        statuses = await asyncio.to_thread(self.ctx.runtime_statuses)
+        return {name: st.works for name, st in statuses.items()}
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -153,7 +170,7 @@ class ContainerBackend(Backend):
             rec.extra["upper"] = str(upper)
             rec.extra["projid"] = projid
             lowers = self.layer_mounts.acquire(image.layers, rec.id)
-            helper = await self._mntns_helper() if rt.name in ("crun", "runc") else None
+            helper = await self._mntns_helper() if rt.overlay_helper else None
             # the sandbox can read the overlay's options in /proc/self/mountinfo: name its directories
             # through short symlinks in the sandbox directory, resolved relative to it (the helper) or
             # through a /proc/self/fd path (mounted here), never by their host paths
@@ -171,10 +188,9 @@ class ContainerBackend(Backend):
             netns = None
             resolv = None
             if spec.network:
-                if self.network is None:
-                    raise SandboxError("network=True needs the node's network manager")
-                netns = await self.network.setup(rec)
-                resolv = str(self.network.resolv_conf())
+                net = self.ctx.network()
+                netns = await net.setup(rec)
+                resolv = str(net.resolv_conf())
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             listener.bind(str(sock_path))
             listener.listen(64)
@@ -246,7 +262,7 @@ class ContainerBackend(Backend):
         errors: list[str] = []
         if rec.cid:
             try:
-                rt = OciRuntime(rec.runtime, self.statuses[rec.runtime].binary or rec.runtime) \
+                rt = make_runtime(rec.runtime, self.statuses[rec.runtime].binary or rec.runtime) \
                     if rec.runtime in self.statuses else self.runtime(None)
                 r = await rt.delete(rec.cid, force=True)
                 if r.returncode != 0 and await rt.state(rec.cid) is not None:
@@ -277,9 +293,9 @@ class ContainerBackend(Backend):
                 await asyncio.to_thread(self.upper_pool.release, rec.id, int(rec.extra.get("projid") or 0))
             except OSError as e:
                 errors.append(f"release upper: {e}")
-        if rec.netns and self.network is not None:
+        if rec.netns:
             try:
-                await self.network.teardown(rec)
+                await self.ctx.network().teardown(rec)
             except Exception as e:
                 errors.append(f"network teardown: {e}")
         if syscalls.mount_root(rootfs) is not False and syscalls.mounts_under(rootfs):
@@ -317,7 +333,22 @@ class ContainerBackend(Backend):
         """Thaw the sandbox."""
         await self.runtime(rec.runtime).resume(rec.cid)
 
-    def info(self, rec: SandboxRecord) -> dict:
+    async def reclaim(self, rec: SandboxRecord, *, record_working_set: bool) -> dict[str, Any]:
+        """Reclaim the frozen cgroup's memory (page cache; anonymous memory to swap), recording the
+        working set first when asked (see shoal.node.reclaim)."""
+        if not rec.cgroup:
+            return {}
+        return await reclaim_paused(rec.cgroup, rec.path, prefetch=record_working_set)
+
+    async def prefetch(self, rec: SandboxRecord) -> dict[str, Any]:
+        """Read the working set recorded at pause back in while the sandbox is still frozen."""
+        return await prefetch_before_thaw(rec.path)
+
+    def forget_working_set(self, rec: SandboxRecord) -> None:
+        """Remove the recorded working set after the thaw."""
+        drop_working_set(rec.path)
+
+    def info(self, rec: SandboxRecord) -> dict[str, Any]:
         """Runtime name, cgroup path, and whether the disk limit is enforced."""
         out = {"runtime": rec.runtime, "cgroup": rec.cgroup,
                "disk_limit_enforced": bool(rec.extra.get("projid"))}

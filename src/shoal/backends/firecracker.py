@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.backends.base import Backend
+from shoal.backends.base import Backend, Capability
 from shoal.backends.qemu import console_tail, kill_and_wait
 from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
@@ -40,7 +40,7 @@ from shoal.node.records import SandboxRecord, proc_starttime
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
-    from shoal.node.node import Node
+    from shoal.node.context import NodeContext
 
 AGENT_VSOCK_PORT = 1024
 GUEST_CID = 3
@@ -93,10 +93,18 @@ class FirecrackerBackend(Backend):
     """microVM sandboxes on Firecracker (KVM only)."""
 
     name = "microvm"
+    capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE})
+    instead = {
+        Capability.SNAPSHOT_MEMORY: "memory snapshots are QEMU-only for now: set SHOAL_VMM=qemu",
+        Capability.FORK_MEMORY: "memory forks are QEMU-only for now: set SHOAL_VMM=qemu",
+        Capability.RESTORE: "memory snapshots are QEMU-only for now: set SHOAL_VMM=qemu",
+        Capability.NETWORK: "network=True is not wired for Firecracker microVMs yet: set SHOAL_VMM=qemu",
+        Capability.SNAPSHOT_FILES: "a microVM keeps its writable layer inside a disk image; use backend='container'",
+    }
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.paths = node.paths
+    def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
+        super().__init__(ctx, name)
+        self.paths = ctx.paths
         self.binary = firecracker_binary()
 
     def _files(self, d: Path) -> dict[str, Path]:
@@ -112,8 +120,6 @@ class FirecrackerBackend(Backend):
             raise BackendUnavailable("firecracker is not installed")
         if spec.memory_mb < MIN_VM_MEMORY_MB:
             raise InvalidRequest(f"memory_mb={spec.memory_mb} is too small for a VM (at least {MIN_VM_MEMORY_MB})")
-        if spec.network:
-            raise BackendUnavailable("network=True is not wired for Firecracker microVMs yet; use SHOAL_VMM=qemu")
         d = rec.path
         f = self._files(d)
         env = dict(image.config.env)
@@ -122,7 +128,7 @@ class FirecrackerBackend(Backend):
         env.setdefault("HOSTNAME", hostname)
         t0 = time.monotonic()
         try:
-            agent = self.node.guest_dir / "shoal-agent"
+            agent = self.ctx.agent_binary
             guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, agent)
             meta = (guest.initrd.parent / "guest.json").read_text()
             if '"vsock_helper": true' not in meta:

@@ -1,6 +1,6 @@
 """The function-call backend: short code runs (python, bash, sh, c, cpp) on warm pools of containers.
 
-`get_pool_manager(node).run_code(code, language="python", ...)` borrows an idle container from the
+`node.fncall().run_code(code, language="python", ...)` borrows an idle container from the
 pool of its (image, limits), runs the code there in a fresh process and a fresh working directory,
 and returns a `RunCodeResult`; the container is cleaned and goes back to the pool. No sandbox to
 create or close: `Client.run_code` / `run_code_many` are the user-facing doors, `/run_code` (see
@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shoal.backends.base import Backend, Capability
 from shoal.backends.fncall_languages import ALL_TOOLS, FNCALL_IMAGE, Language, get_language
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
 from shoal.config import settings
@@ -30,7 +31,10 @@ from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, Quot
 from shoal.models import ExecResult, RunCodeResult, SandboxSpec
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.agentproto.client import AgentClient
+    from shoal.images.store import Image
+    from shoal.node.context import NodeContext, SandboxHost
+    from shoal.node.records import SandboxRecord
 
 log = logging.getLogger("shoal.fncall")
 
@@ -139,9 +143,9 @@ def _check_caller_limits(memory_mb: int, cpus: float) -> None:
 
 
 class FncallManager:
-    """All fncall pools of one node. Get it with `get_pool_manager(node)`."""
+    """All fncall pools of one node. Get it with `node.fncall()`."""
 
-    def __init__(self, node: Node, config: FncallConfig | None = None) -> None:
+    def __init__(self, node: SandboxHost, config: FncallConfig | None = None) -> None:
         self.node = node
         self.config = config or FncallConfig()
         self.pools: dict[PoolKey, Pool] = {}
@@ -223,6 +227,11 @@ class FncallManager:
         if errs and len(errs) == len(ws):
             raise errs[0]
         return p.snapshot()
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran: the manager serves no more calls."""
+        return self._closed
 
     def sandbox_ids(self) -> list[str]:
         """Every pooled sandbox this manager holds right now."""
@@ -476,17 +485,38 @@ class FncallManager:
         return list(await asyncio.gather(*(one(it) for it in items)))
 
 
-def get_pool_manager(node: Node) -> FncallManager:
-    """The node's fncall manager, created on first use; `Node.stop()` closes it."""
-    mgr = getattr(node, "_fncall_manager", None)
-    if mgr is None or mgr._closed:
-        mgr = FncallManager(node)
-        node._fncall_manager = mgr  # type: ignore[attr-defined]
-    return mgr
+class FncallBackend(Backend):
+    """The fncall backend: no sandboxes of its own, a node-owned service running code on warm pools of
+    container sandboxes (made through the node's public API). `Node.fncall()` reaches its manager."""
 
+    name = "fncall"
+    capabilities = frozenset({Capability.RUN_CODE})
+    instead = {Capability.SANDBOXES: "fncall runs code snippets on warm pools: use client.run_code(code) "
+                                     "(or create a sandbox with backend='container')"}
 
-async def close_pool_manager(node: Node) -> None:
-    """Close the node's fncall pools (every pooled container), if it has any."""
-    mgr = getattr(node, "_fncall_manager", None)
-    if mgr is not None:
-        await mgr.close()
+    def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
+        super().__init__(ctx, name)
+        self._manager: FncallManager | None = None
+
+    def manager(self) -> FncallManager:
+        """The node's fncall manager, created on first use (and again after close)."""
+        if self._manager is None or self._manager.closed:
+            self._manager = FncallManager(self.ctx.sandboxes)
+        return self._manager
+
+    async def close(self) -> None:
+        """Close every pool: pooled containers serve only this process, so they go with it."""
+        if self._manager is not None:
+            await self._manager.close()
+
+    async def create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
+        """fncall hosts no sandboxes."""
+        raise self.unsupported(Capability.SANDBOXES)
+
+    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+        """fncall hosts no sandboxes."""
+        raise self.unsupported(Capability.SANDBOXES)
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        """fncall hosts no sandboxes (its pooled containers are container sandboxes)."""
+        raise self.unsupported(Capability.SANDBOXES)

@@ -22,8 +22,6 @@ from shoal.errors import BackendUnavailable, SandboxError
 from shoal.host import cgroups
 from shoal.host.spawn import Completed, run, run_sync
 
-RUNTIME_BINARIES = {"crun": "crun", "runc": "runc", "gvisor": "runsc"}
-
 # crun and runc re-execute themselves from a private copy at every start (their defence against
 # CVE-2019-5736: a container overwriting the host binary through /proc/self/exe) unless they already
 # run from a sealed memfd. One sealed copy per node process saves that second exec, plus a bind mount
@@ -102,17 +100,24 @@ class RuntimeStatus:
 
 
 class OciRuntime:
-    """Commands of one OCI runtime binary, run without blocking the event loop."""
+    """Commands of one OCI runtime binary, run without blocking the event loop. Subclasses (one per
+    registry entry, see shoal.backends.registry) say how their binary differs."""
+
+    #: exec a sealed in-memory copy of the binary (see sealed_executable)
+    sealed = False
+    #: can run inside shoal's mount-namespace helper, which mounts the overlay (see shoal.host.mntns)
+    overlay_helper = False
+    #: `kill --all` exists
+    kill_all = True
 
     def __init__(self, name: str, binary: str) -> None:
         self.name = name
         self.binary = binary
-        # runsc needs its platform and cgroup mode on every call; ptrace works without KVM
-        self.global_args: list[str] = []
-        if name == "gvisor":
-            self.global_args = ["--platform=ptrace", "--network=none"]
-            if cgroups.cgroup_mode() != "v2":
-                self.global_args.append("--ignore-cgroups")
+        self.global_args: list[str] = self.default_global_args()
+
+    def default_global_args(self) -> list[str]:
+        """Arguments this runtime needs before every subcommand."""
+        return []
 
     def _argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_args, *args]
@@ -120,7 +125,7 @@ class OciRuntime:
     @property
     def executable(self) -> str | None:
         """What to exec for this runtime: a sealed in-memory copy for crun/runc (see sealed_executable)."""
-        if self.name in ("crun", "runc") and os.path.isabs(self.binary):
+        if self.sealed and os.path.isabs(self.binary):
             return sealed_executable(self.binary)
         return None
 
@@ -148,7 +153,7 @@ class OciRuntime:
 
     async def kill(self, cid: str, sig: str = "KILL", all_procs: bool = False) -> Completed:
         """Send a signal to the container's init (or to every process with all_procs)."""
-        args = ["kill"] + (["--all"] if all_procs and self.name != "gvisor" else []) + [cid, sig]
+        args = ["kill"] + (["--all"] if all_procs and self.kill_all else []) + [cid, sig]
         return await run(self._argv(*args), timeout=30, executable=self.executable)
 
     async def delete(self, cid: str, force: bool = True) -> Completed:
@@ -180,6 +185,33 @@ class OciRuntime:
         return [x for x in r.stdout.decode().split() if x] if r.returncode == 0 else []
 
 
+class CrunRuntime(OciRuntime):
+    """crun: a C runtime, the fastest to start a container; refuses hybrid cgroup hosts without hugetlb."""
+
+    sealed = True
+    overlay_helper = True
+
+
+class RuncRuntime(OciRuntime):
+    """runc: the reference runtime (Go); works on hybrid cgroup hosts."""
+
+    sealed = True
+    overlay_helper = True
+
+
+class GvisorRuntime(OciRuntime):
+    """runsc (gVisor): a user-space kernel between the sandbox and the host, on the ptrace platform."""
+
+    kill_all = False
+
+    def default_global_args(self) -> list[str]:
+        """The platform and cgroup mode on every call (ptrace works without KVM)."""
+        args = ["--platform=ptrace", "--network=none"]
+        if cgroups.cgroup_mode() != "v2":
+            args.append("--ignore-cgroups")
+        return args
+
+
 def _probe_key() -> str:
     # a probe stays valid until reboot or until the cgroup mounts change
     try:
@@ -198,19 +230,22 @@ def probe_runtimes(paths: Paths, agent_bin: Path, refresh: bool = False) -> dict
             data = json.loads(cache.read_text())
             if data.get("key") == key:
                 return {k: RuntimeStatus(**v) for k, v in data["runtimes"].items()}
-    out = {name: _probe_one(name, binary, paths, agent_bin) for name, binary in RUNTIME_BINARIES.items()}
+    from shoal.backends.registry import RUNTIMES
+
+    out = {name: _probe_one(name, paths, agent_bin) for name in RUNTIMES}
     paths.run.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         cache.write_text(json.dumps({"key": key, "runtimes": {k: asdict(v) for k, v in out.items()}}))
     return out
 
 
-def _probe_one(name: str, binary_name: str, paths: Paths, agent_bin: Path) -> RuntimeStatus:
-    binary = shutil.which(binary_name)
+def _probe_one(name: str, paths: Paths, agent_bin: Path) -> RuntimeStatus:
+    from shoal.backends.registry import RUNTIMES, make_runtime
+
+    entry = RUNTIMES[name]
+    binary = shutil.which(entry.binary)
     if not binary:
-        fixes = {"crun": "apt-get install crun", "runc": "apt-get install runc",
-                 "gvisor": "install runsc from gvisor.dev (not packaged in Debian 12)"}
-        return RuntimeStatus(name, None, False, reason=f"{binary_name} not found on PATH", fix=fixes[name])
+        return RuntimeStatus(name, None, False, reason=f"{entry.binary} not found on PATH", fix=entry.install)
     ver = run_sync([binary, "--version"], timeout=10).stdout.decode(errors="replace").splitlines()
     version = ver[0] if ver else ""
     if os.geteuid() != 0:
@@ -219,7 +254,7 @@ def _probe_one(name: str, binary_name: str, paths: Paths, agent_bin: Path) -> Ru
         return RuntimeStatus(name, binary, False, version, f"agent binary {agent_bin} missing", "make agent")
     from shoal.backends.oci import build_config
 
-    rt = OciRuntime(name, binary)
+    rt = make_runtime(name, binary)
     paths.run.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="probe-", dir=paths.run) as tmp:
         bundle = Path(tmp)
@@ -249,21 +284,25 @@ def _probe_one(name: str, binary_name: str, paths: Paths, agent_bin: Path) -> Ru
 
 
 def pick_runtime(statuses: dict[str, RuntimeStatus], preference: str | None) -> OciRuntime:
-    """The runtime to use for `preference` ('auto'/None: crun, else runc). Raises BackendUnavailable."""
+    """The runtime to use for `preference` ('auto'/None: the first that works of the registry's auto
+    order, crun then runc). Raises BackendUnavailable."""
+    from shoal.backends.registry import auto_runtimes, make_runtime, runtime_names
+
     pref = preference or "auto"
     if pref == "auto":
-        for name in ("crun", "runc"):
+        order = auto_runtimes()
+        for name in order:
             st = statuses.get(name)
             if st and st.works and st.binary:
-                return OciRuntime(name, st.binary)
-        reasons = "; ".join(f"{s.name}: {s.reason}" for s in statuses.values() if s.name != "gvisor")
+                return make_runtime(name, st.binary)
+        reasons = "; ".join(f"{s.name}: {s.reason}" for s in statuses.values() if s.name in order)
         raise BackendUnavailable(f"no container runtime works on this host ({reasons}); run `shoal doctor`")
     st = statuses.get(pref)
     if st is None:
-        raise BackendUnavailable(f"unknown runtime {pref!r}: choose crun, runc or gvisor")
+        raise BackendUnavailable(f"unknown runtime {pref!r}: choose {', '.join(runtime_names())}")
     if not st.works or not st.binary:
         raise BackendUnavailable(f"runtime {pref} does not work here: {st.reason}. {st.fix}".strip())
-    return OciRuntime(pref, st.binary)
+    return make_runtime(pref, st.binary)
 
 
 def fix_hybrid_cgroups_for_crun() -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.agentproto.client import AgentClient
-from shoal.backends.base import Backend
+from shoal.backends.base import Backend, Capability
 from shoal.backends.qemu import (
     Drive,
     MachineConfig,
@@ -45,7 +45,7 @@ from shoal.backends.qemu import (
     qmp,
     sandbox_files,
 )
-from shoal.config import settings
+from shoal.config import Paths, settings
 from shoal.errors import (
     BackendUnavailable,
     InvalidRequest,
@@ -56,11 +56,10 @@ from shoal.errors import (
 )
 from shoal.images.store import Image
 from shoal.models import SandboxInfo, SandboxSpec
-from shoal.node.records import SandboxRecord, my_identity, new_sandbox_id, validate_labels
-from shoal.node.statelock import sandbox_state_lock
+from shoal.node.records import SandboxRecord, validate_labels
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.node.context import NodeContext
 
 MIN_VM_MEMORY_MB = 128
 #: microvm has 8 virtio-mmio slots: agent port, balloon, writable disk, optional network, and the layers
@@ -177,11 +176,21 @@ async def connect_agent(d: Path, base_env: dict[str, str], *, timeout: float, al
 class QemuVmBackend(Backend):
     """VM sandboxes on QEMU: machine `microvm` (backend "microvm") or `q35` (backend "vm")."""
 
-    def __init__(self, name: str, node: Node) -> None:
-        self.name = name
-        self.node = node
-        self.paths = node.paths
-        self.machine = "microvm" if name == "microvm" else "q35"
+    capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.SNAPSHOT_MEMORY,
+                              Capability.FORK_MEMORY, Capability.RESTORE, Capability.NETWORK})
+    instead = {
+        Capability.SNAPSHOT_FILES: "a VM keeps its writable layer inside a disk image: snapshot(name) saves memory "
+                                   "and disks as a named VM snapshot, fork(n) forks processes and memory; for "
+                                   "image snapshots use backend='container'",
+        Capability.RECLAIM: "pause() already hands the guest's free memory back through the balloon",
+    }
+
+    def __init__(self, ctx: NodeContext, name: str | None = "vm") -> None:
+        super().__init__(ctx, name)
+        if self.name not in ("microvm", "vm"):
+            raise BackendUnavailable(f"unknown VM backend {self.name!r}: choose microvm or vm")
+        self.paths = ctx.paths
+        self.machine = "microvm" if self.name == "microvm" else "q35"
         self._booted: dict[str, VmAgentClient] = {}
         self._accel: str | None = None
         self._accel_detail = ""
@@ -203,8 +212,25 @@ class QemuVmBackend(Backend):
         default = (30.0 if kvm else 90.0) if self.machine == "microvm" else (90.0 if kvm else 300.0)
         return settings().vm_boot_timeout or default
 
+    async def prepare(self) -> dict[str, Any]:
+        """Build (or find cached) the microVM guest kernel + initramfs; report the accelerator."""
+        from shoal.backends import vm_images
+
+        out: dict[str, Any] = {"accel": self.accel()}
+        if self.machine == "microvm":
+            g = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent())
+            out.update(kernel=str(g.kernel), initrd=str(g.initrd))
+        return out
+
+    async def close(self) -> None:
+        """Close agent connections opened at boot and never handed to the node."""
+        for c in list(self._booted.values()):
+            with contextlib.suppress(Exception):
+                await c.close()
+        self._booted.clear()
+
     def _agent(self) -> Path:
-        p = self.node.guest_dir / "shoal-agent"
+        p = self.ctx.agent_binary
         if p.exists():
             return p
         from shoal.agentbin import find_agent_binary
@@ -290,7 +316,7 @@ class QemuVmBackend(Backend):
             cmdline += _extra_cmdline()
             return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(guest.kernel), str(guest.initrd),
                                  cmdline, drives, network=bool(spec.network), tb_mb=tb)
-        disk = await asyncio.to_thread(vm_images.ensure_vm_disk, self.paths, image, self.node.layer_mounts,
+        disk = await asyncio.to_thread(vm_images.ensure_vm_disk, self.paths, image, self.ctx.layer_mounts,
                                        self._agent())
         from shoal.host.spawn import run
 
@@ -347,8 +373,8 @@ class QemuVmBackend(Backend):
         cfg = MachineConfig.from_dict(rec.extra["vm"])
         target = None
         if cfg.balloon:
-            c = self.node._clients.get(rec.id)
-            if c is not None and not c.closed:
+            c = self.ctx.connections.get(rec.id)
+            if c is not None:
                 with contextlib.suppress(ShoalError, KeyError, ValueError, IndexError):
                     # drop clean caches and compact: freed memory becomes whole 2 MiB blocks, which free
                     # page reporting and the balloon hand back to the host
@@ -396,7 +422,7 @@ class QemuVmBackend(Backend):
             if cfg.balloon:
                 await q.execute("balloon", {"value": cfg.memory_mb << 20})
 
-    def info(self, rec: SandboxRecord) -> dict:
+    def info(self, rec: SandboxRecord) -> dict[str, Any]:
         """VMM, machine, accelerator (kvm or tcg), QEMU pid, console path, boot time."""
         self.accel()
         return {"vmm": rec.extra.get("vmm", "qemu"), "machine": rec.extra.get("machine", self.machine),
@@ -410,24 +436,33 @@ class QemuVmBackend(Backend):
         return None
 
 
-def make_vm_backend(name: str, node: Node) -> Backend:
-    """The backend for "microvm" (Firecracker when usable, else QEMU microvm) or "vm" (QEMU q35)."""
-    if name == "microvm":
-        from shoal.backends.firecracker import firecracker_usable
+    # ---- memory snapshots, fork, restore (shoal's VM memory snapshots: see below)
+    async def snapshot_memory(self, rec: SandboxRecord, name: str) -> dict[str, Any]:
+        """Save the VM's memory, devices and disks as the named snapshot (replacing one of the same name)."""
+        return await snapshot_vm(self, rec.id, name)
 
-        if firecracker_usable()[0]:
-            from shoal.backends.firecracker import FirecrackerBackend
+    async def fork_memory(self, rec: SandboxRecord, n: int, **overrides: Any) -> list[SandboxInfo | ShoalError]:
+        """`n` children resumed from one memory snapshot of the running VM (processes keep running)."""
+        return await fork_vm(self, rec.id, n, **overrides)
 
-            return FirecrackerBackend(node)
-    if name not in ("microvm", "vm"):
-        raise BackendUnavailable(f"unknown VM backend {name!r}")
-    return QemuVmBackend(name, node)
+    async def restore(self, name: str, n: int = 1) -> list[SandboxInfo | ShoalError]:
+        """`n` new VMs resumed from a named snapshot of this host."""
+        return await restore_vm_snapshot(self, name, n)
+
+
+def make_microvm_backend(ctx: NodeContext, name: str = "microvm") -> Backend:
+    """The "microvm" backend: Firecracker when usable here, else QEMU's microvm machine."""
+    from shoal.backends.firecracker import FirecrackerBackend, firecracker_usable
+
+    if firecracker_usable()[0]:
+        return FirecrackerBackend(ctx, name)
+    return QemuVmBackend(ctx, name)
 
 
 # ---- memory snapshots and fork -------------------------------------------------------------------
-def snapshots_dir(node: Node) -> Path:
+def snapshots_dir(paths: Paths) -> Path:
     """Where named VM snapshots live (host-local: memory images are tied to this host's QEMU and store)."""
-    return node.paths.home / "vm" / "snapshots"
+    return paths.home / "vm" / "snapshots"
 
 
 def _check_snapshot_name(name: str) -> str:
@@ -436,8 +471,8 @@ def _check_snapshot_name(name: str) -> str:
     return name
 
 
-def _qemu_backend(node: Node, rec: SandboxRecord) -> QemuVmBackend:
-    b = node.backend(rec.backend)
+def _qemu_backend(ctx: NodeContext, rec: SandboxRecord) -> QemuVmBackend:
+    b = ctx.backend(rec.backend)
     if not isinstance(b, QemuVmBackend):
         raise BackendUnavailable(f"memory snapshots need QEMU; sandbox {rec.id} runs on {rec.runtime or rec.backend}")
     return b
@@ -476,17 +511,18 @@ def _snapshot_meta(rec: SandboxRecord, name: str, saved: dict[str, Any]) -> dict
             "labels": rec.labels, "extra": rec.extra, "created": time.time(), **saved}
 
 
-async def snapshot_vm(node: Node, sandbox_id: str, name: str) -> dict[str, Any]:
+async def snapshot_vm(backend: QemuVmBackend, sandbox_id: str, name: str) -> dict[str, Any]:
     """Save a VM's memory, devices and disks as the named snapshot (replacing one of the same name)."""
+    ctx = backend.ctx
     _check_snapshot_name(name)
-    root = snapshots_dir(node)
+    root = snapshots_dir(ctx.paths)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".new-{name}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
-        async with sandbox_state_lock(node, sandbox_id):
-            rec = node.record(sandbox_id)
-            _qemu_backend(node, rec)
+        async with ctx.locks.state(sandbox_id):
+            rec = ctx.record(sandbox_id)
+            _qemu_backend(ctx, rec)
             if rec.state not in ("running", "paused"):
                 raise SandboxError(f"cannot snapshot sandbox {sandbox_id}: it is {rec.state}")
             saved = await _save(rec, tmp)
@@ -506,10 +542,10 @@ async def snapshot_vm(node: Node, sandbox_id: str, name: str) -> dict[str, Any]:
     return {k: meta[k] for k in ("name", "kind", "backend", "parent", "image", "created", "memory_bytes", "save_s")}
 
 
-def list_vm_snapshots(node: Node) -> list[dict[str, Any]]:
+def list_vm_snapshots(paths: Paths) -> list[dict[str, Any]]:
     """Named VM snapshots on this host."""
     out = []
-    root = snapshots_dir(node)
+    root = snapshots_dir(paths)
     if root.is_dir():
         for p in sorted(root.iterdir()):
             if p.name.startswith(".") or not (p / "snapshot.json").exists():
@@ -522,84 +558,78 @@ def list_vm_snapshots(node: Node) -> list[dict[str, Any]]:
     return out
 
 
-def remove_vm_snapshot(node: Node, name: str) -> None:
+def remove_vm_snapshot(paths: Paths, name: str) -> None:
     """Delete a named VM snapshot (VMs restored from it do not need it any more)."""
-    p = snapshots_dir(node) / _check_snapshot_name(name)
+    p = snapshots_dir(paths) / _check_snapshot_name(name)
     if not (p / "snapshot.json").exists():
         raise SandboxNotFound(f"no VM snapshot named {name!r} on this host")
     shutil.rmtree(p)
 
 
-async def _restore_one(node: Node, snap: Path, meta: dict[str, Any]) -> SandboxInfo:
+async def _restore_one(ctx: NodeContext, snap: Path, meta: dict[str, Any]) -> SandboxInfo:
     """A new sandbox resumed from a saved VM: same memory, processes, and disks (copied)."""
     from shoal.backends.vm_images import copy_sparse
 
     spec = SandboxSpec(**meta["spec"])
-    node._admit(spec)
-    backend = node.backend(meta["backend"])
+    backend = ctx.backend(meta["backend"])
     if not isinstance(backend, QemuVmBackend):
         raise BackendUnavailable("restoring a VM memory snapshot needs the QEMU VM backend")
     qemu = find_qemu()
-    sid = new_sandbox_id(node.config.node_id)
-    d = node.paths.sandboxes / sid
-    d.mkdir()
-    owner_pid, owner_start = my_identity()
-    now = time.time()
-    extra = copy.deepcopy(meta["extra"])
-    extra.pop("boot_s", None)
-    extra.pop("boot_phases_s", None)
-    extra.update(forked_from=meta["parent"], snapshot=meta["name"])
-    rec = SandboxRecord(
-        id=sid, backend=meta["backend"], image=meta["image"], image_digest=meta["image_digest"],
-        layers=list(meta["layers"]), spec=dict(meta["spec"]), dir=str(d), owner_pid=owner_pid,
-        owner_start=owner_start, created_at=now, expires_at=(now + float(spec.ttl_s)) if spec.ttl_s else None,
-        project=meta.get("project", "default"), labels=dict(meta.get("labels") or {}),
-        runtime=f"qemu-{backend.machine}", extra=extra)
-    node._committed_mb += spec.memory_mb
-    t0 = time.monotonic()
-    try:
-        cfg = MachineConfig.from_dict(extra["vm"])
-        if cfg.accel != backend.accel():
-            raise BackendUnavailable(f"the snapshot was taken under {cfg.accel}, this host runs VMs under "
-                                     f"{backend.accel()}: it cannot be restored here")
-        for drv in cfg.drives:
-            if not drv.readonly:
-                dst = d / Path(drv.path).name
-                await asyncio.to_thread(copy_sparse, snap / Path(drv.path).name, dst)
-                drv.path = str(dst)
-        rec.extra["vm"] = cfg.to_dict()
-        rec.save()
-        pid, start = await launch(qemu_argv(qemu, cfg, d, incoming=True), d)
-        rec.init_pid, rec.init_start = pid, start
-        rec.save()
-        await asyncio.to_thread(migrate_fd, d, snap / "memory.bin", incoming=True,
-                                timeout=settings().vm_snapshot_timeout)
-        async with qmp(d) as q:
-            await q.execute("cont")
-            if cfg.balloon:
-                await q.execute("balloon", {"value": cfg.memory_mb << 20})
-        client = await connect_agent(d, extra.get("env") or {}, timeout=backend.boot_timeout(), alive=rec.init_alive,
-                                     fresh_boot=False, what=f"the restored {rec.backend} {sid}")
-        node._clients[sid] = client
+    with ctx.admission.reserve(spec) as res:
+        extra = copy.deepcopy(meta["extra"])
+        extra.pop("boot_s", None)
+        extra.pop("boot_phases_s", None)
+        extra.update(forked_from=meta["parent"], snapshot=meta["name"])
+        rec = ctx.new_record(backend=meta["backend"], image=meta["image"], image_digest=meta["image_digest"],
+                             layers=list(meta["layers"]), spec=dict(meta["spec"]), extra=extra,
+                             runtime=f"qemu-{backend.machine}", project=meta.get("project", "default"),
+                             labels=dict(meta.get("labels") or {}))
+        d = rec.path
+        t0 = time.monotonic()
+        try:
+            cfg = MachineConfig.from_dict(extra["vm"])
+            if cfg.accel != backend.accel():
+                raise BackendUnavailable(f"the snapshot was taken under {cfg.accel}, this host runs VMs under "
+                                         f"{backend.accel()}: it cannot be restored here")
+            for drv in cfg.drives:
+                if not drv.readonly:
+                    dst = d / Path(drv.path).name
+                    await asyncio.to_thread(copy_sparse, snap / Path(drv.path).name, dst)
+                    drv.path = str(dst)
+            rec.extra["vm"] = cfg.to_dict()
+            rec.save()
+            pid, start = await launch(qemu_argv(qemu, cfg, d, incoming=True), d)
+            rec.init_pid, rec.init_start = pid, start
+            rec.save()
+            await asyncio.to_thread(migrate_fd, d, snap / "memory.bin", incoming=True,
+                                    timeout=settings().vm_snapshot_timeout)
+            async with qmp(d) as q:
+                await q.execute("cont")
+                if cfg.balloon:
+                    await q.execute("balloon", {"value": cfg.memory_mb << 20})
+            client = await connect_agent(d, extra.get("env") or {}, timeout=backend.boot_timeout(),
+                                         alive=rec.init_alive, fresh_boot=False,
+                                         what=f"the restored {rec.backend} {rec.id}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await backend.destroy(rec)
+            raise
+        ctx.connections.put(rec.id, client)
         rec.extra["restore_s"] = round(time.monotonic() - t0, 3)
         rec.state = "running"
         rec.save()
-        return node._info(rec)
-    except BaseException:
-        node._committed_mb = max(0, node._committed_mb - spec.memory_mb)
-        with contextlib.suppress(Exception):
-            await backend.destroy(rec)
-        raise
+        res.commit(rec.id)
+    return ctx.describe(rec)
 
 
-async def _restore_many(node: Node, snap: Path, meta: dict[str, Any], n: int,
+async def _restore_many(ctx: NodeContext, snap: Path, meta: dict[str, Any], n: int,
                         concurrency: int | None) -> list[SandboxInfo | ShoalError]:
     sem = asyncio.Semaphore(concurrency or 4)
 
     async def one() -> SandboxInfo | ShoalError:
         async with sem:
             try:
-                return await _restore_one(node, snap, meta)
+                return await _restore_one(ctx, snap, meta)
             except ShoalError as e:
                 return e
             except Exception as e:
@@ -614,19 +644,20 @@ def _check_n(n: int) -> int:
     return n
 
 
-async def restore_vm_snapshot(node: Node, name: str, n: int = 1,
+async def restore_vm_snapshot(backend: QemuVmBackend, name: str, n: int = 1,
                               concurrency: int | None = None) -> list[SandboxInfo | ShoalError]:
     """`n` new VMs resumed from a named snapshot; each item is an info or the error it met."""
     _check_n(n)
-    snap = snapshots_dir(node) / _check_snapshot_name(name)
+    ctx = backend.ctx
+    snap = snapshots_dir(ctx.paths) / _check_snapshot_name(name)
     try:
         meta = json.loads((snap / "snapshot.json").read_text())
     except FileNotFoundError:
         raise SandboxNotFound(f"no VM snapshot named {name!r} on this host (see `shoal vm snapshots`)") from None
-    return await _restore_many(node, snap, meta, n, concurrency)
+    return await _restore_many(ctx, snap, meta, n, concurrency)
 
 
-async def fork_vm(node: Node, sandbox_id: str, n: int, concurrency: int | None = None,
+async def fork_vm(backend: QemuVmBackend, sandbox_id: str, n: int, concurrency: int | None = None,
                   **overrides: Any) -> list[SandboxInfo | ShoalError]:
     """`n` children of a running VM, each resumed from one memory snapshot: the parent's processes keep
     running in every child (same PIDs, same memory), the parent continues untouched.
@@ -638,14 +669,15 @@ async def fork_vm(node: Node, sandbox_id: str, n: int, concurrency: int | None =
     if bad:
         raise InvalidRequest(f"a VM fork resumes the parent's memory, so {', '.join(bad)} cannot change "
                              "(only labels and ttl_s can)")
-    root = snapshots_dir(node)
+    ctx = backend.ctx
+    root = snapshots_dir(ctx.paths)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".fork-{sandbox_id}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
-        async with sandbox_state_lock(node, sandbox_id):
-            rec = node.record(sandbox_id)
-            _qemu_backend(node, rec)
+        async with ctx.locks.state(sandbox_id):
+            rec = ctx.record(sandbox_id)
+            _qemu_backend(ctx, rec)
             if rec.state not in ("running", "paused"):
                 raise SandboxError(f"cannot fork sandbox {sandbox_id}: it is {rec.state}")
             saved = await _save(rec, tmp)
@@ -655,6 +687,6 @@ async def fork_vm(node: Node, sandbox_id: str, n: int, concurrency: int | None =
             meta["labels"] = {**(meta.get("labels") or {}), **dict(overrides["labels"])}
         if "ttl_s" in overrides:
             meta["spec"] = {**meta["spec"], "ttl_s": overrides["ttl_s"]}
-        return await _restore_many(node, tmp, meta, n, concurrency)
+        return await _restore_many(ctx, tmp, meta, n, concurrency)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)

@@ -62,11 +62,9 @@ def build_image(ref: Annotated[str, typer.Argument(help="tag to build")] = "debi
 @vm_app.command("snapshot")
 def snapshot(sandbox_id: str, name: str) -> None:
     """Save a running VM's memory, devices and disks as the named snapshot."""
-    from shoal.backends.vm import snapshot_vm
-
     async def go() -> None:
         async with _node() as node:
-            info = await snapshot_vm(node, sandbox_id, name)
+            info = await node.snapshot(sandbox_id, name, memory=True)
             console.print(f"saved {info['name']}: {info['memory_bytes'] / 2**20:.0f} MiB of memory "
                           f"in {info['save_s']:.2f}s")
 
@@ -77,8 +75,9 @@ def snapshot(sandbox_id: str, name: str) -> None:
 def snapshots(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List the named VM snapshots on this host."""
     from shoal.backends.vm import list_vm_snapshots
+    from shoal.config import Paths
 
-    items = list_vm_snapshots(_node())
+    items = list_vm_snapshots(Paths.from_env())
     if as_json:
         print(json.dumps(items, indent=1))
         return
@@ -94,12 +93,11 @@ def snapshots(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 @vm_app.command("restore")
 def restore(name: str, n: Annotated[int, typer.Option("-n", help="how many VMs")] = 1) -> None:
     """Start `n` VMs resumed from a named snapshot (their processes keep running); prints their IDs."""
-    from shoal.backends.vm import restore_vm_snapshot
     from shoal.errors import ShoalError
 
     async def go() -> None:
         async with _node() as node:
-            items = await restore_vm_snapshot(node, name, n)
+            items = await node.restore(name, n)
             bad = [x for x in items if isinstance(x, ShoalError)]
             for x in items:
                 print(x if isinstance(x, ShoalError) else x.id)
@@ -113,11 +111,9 @@ def restore(name: str, n: Annotated[int, typer.Option("-n", help="how many VMs")
 def rm_snapshot(names: list[str]) -> None:
     """Delete named VM snapshots."""
     from shoal.backends.vm import remove_vm_snapshot
+    from shoal.config import Paths
 
-    async def go() -> None:
-        node = _node()
-        for name in names:
-            remove_vm_snapshot(node, name)
-            console.print(f"removed {name}")
-
-    run_async(go)
+    paths = Paths.from_env()
+    for name in names:
+        remove_vm_snapshot(paths, name)
+        console.print(f"removed {name}")

@@ -2,18 +2,27 @@
 
 Memory is oversubscribed on purpose (90% of agent sandboxes idle), but bounded: the node refuses
 when promised memory passes `memory_overcommit` × RAM, or when little memory is actually free.
+
+    res = node.admission.reserve(spec)      # CapacityExceeded when it does not fit
+    ... start the sandbox ...
+    res.commit(sandbox_id)                  # the memory now belongs to a live sandbox
+    # (leaving without commit, or res.release(), gives the reservation back)
+    node.admission.release(sandbox_id)      # when the sandbox is closed
+
+`node.admission.snapshot()` is what placement (the cluster) and the dashboard read.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from shoal.errors import CapacityExceeded
-from shoal.models import SandboxSpec
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.config import NodeConfig
+    from shoal.node.records import SandboxRecord
 
 
 def meminfo() -> dict[str, int]:
@@ -41,19 +50,151 @@ def _recent_meminfo() -> dict[str, int]:
     return _cached[1]
 
 
-def check_admission(node: Node, spec: SandboxSpec) -> None:
-    """Raise CapacityExceeded (HTTP 429 with Retry-After) when `spec` does not fit on this node now."""
-    info = _recent_meminfo()
-    total_mb = info.get("MemTotal", 0) // 1024
-    avail_mb = info.get("MemAvailable", 0) // 1024
-    cfg = node.config
-    limit_mb = int(total_mb * cfg.memory_overcommit)
-    if node._committed_mb + spec.memory_mb > limit_mb:
-        raise CapacityExceeded(
-            f"node memory commitment would reach {node._committed_mb + spec.memory_mb} MiB, over its limit "
-            f"of {limit_mb} MiB ({cfg.memory_overcommit}x RAM); close sandboxes or ask for less memory_mb",
-            retry_after_s=2.0, committed_mb=node._committed_mb, limit_mb=limit_mb)
-    if avail_mb < cfg.min_free_memory_mb:
-        raise CapacityExceeded(
-            f"only {avail_mb} MiB of memory is free on this node (minimum {cfg.min_free_memory_mb} MiB); "
-            "retry later", retry_after_s=5.0, available_mb=avail_mb)
+@dataclass(frozen=True)
+class AdmissionSnapshot:
+    """The node's capacity figures at one instant (MiB unless named otherwise)."""
+
+    #: memory promised to live sandboxes of this node process, plus reservations in flight
+    committed_mb: int
+    #: the refusal threshold: memory_overcommit × RAM
+    limit_mb: int
+    #: limit − committed: the largest memory_mb a new sandbox may ask for now (0 when full)
+    free_mb: int
+    #: the host's MemAvailable; new sandboxes are refused below min_free_mb
+    available_mb: int
+    min_free_mb: int
+    total_mb: int
+    overcommit: float
+    #: CPUs promised to live sandboxes (not enforced here: CPU is shared, see the scheduler)
+    committed_cpus: float
+    #: live sandboxes counted, and reservations not yet committed
+    sandboxes: int
+    pending: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+class Reservation:
+    """Memory held for one sandbox being made; `commit` hands it to the sandbox, `release` gives it back."""
+
+    def __init__(self, admission: Admission, memory_mb: int, cpus: float) -> None:
+        self.admission = admission
+        self.memory_mb = memory_mb
+        self.cpus = cpus
+        self.sandbox_id: str | None = None
+        self.done = False
+
+    def commit(self, sandbox_id: str) -> None:
+        """The sandbox is live: its memory stays counted until `Admission.release(sandbox_id)`."""
+        if not self.done:
+            self.done = True
+            self.sandbox_id = sandbox_id
+            self.admission._settle(self, sandbox_id)
+
+    def release(self) -> None:
+        """Give the reservation back (creation failed). Does nothing after `commit`."""
+        if not self.done:
+            self.done = True
+            self.admission._settle(self, None)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Admission:
+    """Counts what this node promised (memory, CPUs) and refuses what would not fit."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self._live: dict[str, tuple[int, float]] = {}
+        self._pending_mb = 0
+        self._pending_cpus = 0.0
+        self._pending = 0
+        self._committed_mb = 0
+        self._committed_cpus = 0.0
+
+    @property
+    def committed_mb(self) -> int:
+        """Memory promised to live sandboxes and reservations in flight (MiB)."""
+        return self._committed_mb + self._pending_mb
+
+    def reserve(self, spec: Any) -> Reservation:
+        """Hold `spec.memory_mb` for a sandbox about to be made; CapacityExceeded (HTTP 429 with
+        Retry-After) when it does not fit on this node now."""
+        mem, cpus = int(spec.memory_mb), float(spec.cpus)
+        info = _recent_meminfo()
+        total_mb = info.get("MemTotal", 0) // 1024
+        avail_mb = info.get("MemAvailable", 0) // 1024
+        cfg = self.config
+        limit_mb = int(total_mb * cfg.memory_overcommit)
+        committed = self.committed_mb
+        if committed + mem > limit_mb:
+            raise CapacityExceeded(
+                f"node memory commitment would reach {committed + mem} MiB, over its limit "
+                f"of {limit_mb} MiB ({cfg.memory_overcommit}x RAM); close sandboxes or ask for less memory_mb",
+                retry_after_s=2.0, committed_mb=committed, limit_mb=limit_mb)
+        if avail_mb < cfg.min_free_memory_mb:
+            raise CapacityExceeded(
+                f"only {avail_mb} MiB of memory is free on this node (minimum {cfg.min_free_memory_mb} MiB); "
+                "retry later", retry_after_s=5.0, available_mb=avail_mb)
+        self._pending_mb += mem
+        self._pending_cpus += cpus
+        self._pending += 1
+        return Reservation(self, mem, cpus)
+
+    def _settle(self, res: Reservation, sandbox_id: str | None) -> None:
+        self._pending_mb -= res.memory_mb
+        self._pending_cpus -= res.cpus
+        self._pending -= 1
+        if sandbox_id is not None:
+            self._add(sandbox_id, res.memory_mb, res.cpus)
+
+    def _add(self, sandbox_id: str, memory_mb: int, cpus: float) -> None:
+        old = self._live.get(sandbox_id)
+        if old is not None:
+            self._committed_mb -= old[0]
+            self._committed_cpus -= old[1]
+        self._live[sandbox_id] = (memory_mb, cpus)
+        self._committed_mb += memory_mb
+        self._committed_cpus += cpus
+
+    def adopt(self, rec: SandboxRecord) -> None:
+        """Count a live sandbox this process did not create (re-adopted after a restart)."""
+        self._add(rec.id, int(rec.spec.get("memory_mb", 0)), float(rec.spec.get("cpus", 0.0)))
+
+    def release(self, sandbox_id: str) -> None:
+        """The sandbox is gone: stop counting it. Idempotent."""
+        old = self._live.pop(sandbox_id, None)
+        if old is not None:
+            self._committed_mb -= old[0]
+            self._committed_cpus -= old[1]
+
+    def recount(self, live: list[SandboxRecord]) -> None:
+        """Start over from these live records (reconcile: after a restart, or sandboxes closed elsewhere)."""
+        self._live.clear()
+        self._committed_mb = 0
+        self._committed_cpus = 0.0
+        for rec in live:
+            self.adopt(rec)
+
+    def counts(self, sandbox_id: str) -> bool:
+        """True when the sandbox is counted as live here."""
+        return sandbox_id in self._live
+
+    def snapshot(self) -> AdmissionSnapshot:
+        """Committed, limit and free figures now (read by placement and the dashboard)."""
+        info = _recent_meminfo()
+        total_mb = info.get("MemTotal", 0) // 1024
+        limit_mb = int(total_mb * self.config.memory_overcommit)
+        committed = self.committed_mb
+        return AdmissionSnapshot(
+            committed_mb=committed, limit_mb=limit_mb, free_mb=max(0, limit_mb - committed),
+            available_mb=info.get("MemAvailable", 0) // 1024, min_free_mb=self.config.min_free_memory_mb,
+            total_mb=total_mb, overcommit=self.config.memory_overcommit,
+            committed_cpus=round(self._committed_cpus + self._pending_cpus, 3), sandboxes=len(self._live),
+            pending=self._pending)

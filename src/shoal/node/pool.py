@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.config import parse_warm_pool, settings
 from shoal.errors import InvalidRequest, SandboxNotFound, ShoalError
 from shoal.models import SandboxInfo, SandboxSpec
+from shoal.spec import check_spec
 
 if TYPE_CHECKING:
     from shoal.images.store import Image
@@ -73,9 +74,7 @@ class WarmPool:
 
     def configure(self, spec: SandboxSpec, size: int) -> str:
         """Keep `size` sandboxes of `spec` ready (0 removes the pool; its sandboxes are closed by `trim`)."""
-        from shoal.node.node import validate_spec
-
-        validate_spec(spec)
+        check_spec(spec)
         if not 0 <= int(size) <= 100_000:
             raise InvalidRequest(f"warm pool size {size} must be between 0 and 100000")
         image = self.node.store.resolve(spec.image)
@@ -122,7 +121,7 @@ class WarmPool:
             rec.expires_at = (now + float(spec.ttl_s)) if spec.ttl_s else None
             rec.save()
             self.hits += 1
-            return node._info(rec)
+            return node.describe(rec)
         self.misses += 1
         return None
 
@@ -137,7 +136,7 @@ class WarmPool:
         async def one() -> None:
             try:
                 async with sem:
-                    info = await self.node._create(replace(pool.spec), pool.image, extra={"pool": pool.key})
+                    info = await self.node.start_sandbox(replace(pool.spec), pool.image, extra={"pool": pool.key})
                 if pool.size > len(pool.ready) and self.pools.get(pool.key) is pool:
                     pool.ready.append(info.id)
                     pool.failures = 0

@@ -7,8 +7,10 @@ layers are shared by reference, and the new layer holds only what the sandbox ch
 are whiteouts). The image lives in the store, so any host that sees the store can create from it.
 
 `fork(n)` is a snapshot followed by `create_many(snapshot, n)`: the children start from the parent's
-*files*; processes and memory are not carried over on containers (see docs/stateful.md for which
-backend forks what). The parent keeps running.
+*files*; processes and memory are not carried over (see docs/stateful.md for which backend forks what).
+The parent keeps running. Both work on every backend with `Capability.SNAPSHOT_FILES` (a writable layer
+on the host, `backend.upper_dir`); memory snapshots and forks are the backend's own
+(`Backend.snapshot_memory` / `fork_memory`). `Node.snapshot` / `Node.fork` choose by capability.
 
 An overlayfs mount takes at most ~40 lower layers (one page of mount options), so a snapshot whose
 image would be deeper than the store allows is *squashed*: the sandbox's whole merged tree (every
@@ -19,66 +21,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import logging
 import secrets
-import shutil
 import time
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.errors import (
-    BackendUnavailable,
-    ImageNotFound,
-    InvalidRequest,
-    NotImplementedYet,
-    SandboxError,
-    ShoalError,
-)
+from shoal.backends.base import Capability
+from shoal.errors import ImageNotFound, InvalidRequest, SandboxError, ShoalError
 from shoal.fsutil import tmp_name
 from shoal.host import syscalls
 from shoal.images.erofs import build_erofs
-from shoal.images.pack import RUNTIME_ARTIFACTS, check_layer_budget, footprint, pack_upper
+from shoal.images.pack import check_layer_budget, footprint, pack_upper, upper_is_empty
 from shoal.images.refs import parse_ref
-from shoal.images.store import ImageConfig, Layer
+from shoal.images.store import ImageConfig, ImageStore, Layer
 from shoal.models import SandboxInfo, SandboxSpec
-from shoal.node.statelock import sandbox_state_lock
 
 if TYPE_CHECKING:
     from shoal.node.node import Node
     from shoal.node.records import SandboxRecord
 
-#: overlayfs' practical lower-layer limit (the store enforces the same bound when it knows it)
-DEFAULT_MAX_LAYERS = 40
+log = logging.getLogger(__name__)
+
 MAX_FORK = 10_000
 
 
 def max_layers() -> int:
     """Deepest image the store accepts (overlayfs' mount-option limit)."""
-    from shoal.images import store as store_mod
+    from shoal.images.store import MAX_LAYERS
 
-    return int(getattr(store_mod, "MAX_LAYERS", DEFAULT_MAX_LAYERS))
-
-
-def _vm_hook(rec: SandboxRecord, attr: str) -> Any:
-    """The VM backends' own snapshot/fork (memory + disks), when this build has them."""
-    if rec.backend not in ("microvm", "vm"):
-        return None
-    import importlib
-
-    try:
-        return getattr(importlib.import_module("shoal.backends.vm"), attr, None)
-    except ImportError:
-        return None
-
-
-def upper_is_empty(upper: Path) -> bool:
-    """True when the writable layer holds nothing but the runtime's empty mountpoints."""
-    for entry in os.scandir(upper):
-        if entry.name in RUNTIME_ARTIFACTS and entry.is_dir(follow_symlinks=False) and not any(os.scandir(entry.path)):
-            continue
-        return False
-    return True
+    return MAX_LAYERS
 
 
 def _parent_config(node: Node, rec: SandboxRecord) -> ImageConfig:
@@ -157,19 +130,15 @@ async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bo
     """
     t0 = time.monotonic()
     rec = node.record(sandbox_id)
-    hook = _vm_hook(rec, "snapshot_vm")
-    if hook is not None:
-        return await hook(node, sandbox_id, name)
     ref = parse_ref(name)
     if ref.digest:
         raise InvalidRequest(f"snapshot name {name!r} must be name[:tag], not a digest")
     backend = node.backend(rec.backend)
+    backend.require(Capability.SNAPSHOT_FILES)
     upper = backend.upper_dir(rec)
     if upper is None:
-        raise NotImplementedYet(
-            f"snapshot of {rec.backend} sandboxes is not available in this build: container sandboxes "
-            "snapshot their writable layer; VM disk snapshots come with the VM backends")
-    async with sandbox_state_lock(node, sandbox_id):
+        raise SandboxError(f"sandbox {sandbox_id} has no writable layer on the host")
+    async with node.locks.state(sandbox_id):
         rec = node.record(sandbox_id)
         if rec.state not in ("running", "paused"):
             raise SandboxError(f"cannot snapshot sandbox {sandbox_id}: it is {rec.state}")
@@ -190,7 +159,7 @@ async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bo
         layer: Layer | None = None
         squashed = False
         try:
-            empty = await asyncio.to_thread(upper_is_empty, Path(upper))
+            empty = await asyncio.to_thread(upper_is_empty, Path(upper), bool(rec.spec.get("network")))
             depth = len(parent_layers) + (0 if empty else 1)
             squashed = bool(squash) or (squash is None and depth > max_layers())
             budget = _budget(node, rec, squashed, store_budget)
@@ -254,25 +223,20 @@ def fork_image_name(sandbox_id: str) -> str:
     return f"{fork_image_prefix(sandbox_id)}:{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = False, name: str | None = None,
+async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, name: str | None = None,
                        store_budget: int | None = None, **overrides: Any) -> list[SandboxInfo | ShoalError]:
-    """`n` independent children of a sandbox (files only on containers); per-item errors like create_many.
+    """`n` independent children from the sandbox's files; per-item errors like create_many.
 
     `name` tags the intermediate snapshot (default `forks/<id>:<time>-<rand>`); `overrides` change the
-    children's spec (cpus, memory_mb, ttl_s, labels, ...). `memory=True` asks for processes and memory
-    too, which needs a backend that can checkpoint them (BackendUnavailable otherwise).
+    children's spec (cpus, memory_mb, ttl_s, labels, ...); `store_budget` bounds the snapshot's layer.
     """
     if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
         raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_FORK}")
     rec = node.record(sandbox_id)
-    hook = _vm_hook(rec, "fork_vm")
-    if hook is not None:  # VMs fork memory and processes along with the disk
-        return await hook(node, sandbox_id, n, **overrides)
-    if memory:
-        return await fork_with_memory(node, rec, n, **overrides)
+    node.backend(rec.backend).require(Capability.SNAPSHOT_FILES)
     _child_spec(rec, "x", overrides)  # reject bad options before the snapshot is made
     if not rec.extra.get("forked"):
-        # closing this sandbox untags its automatic fork snapshots (Node._drop_fork_snapshots)
+        # closing this sandbox untags its automatic fork snapshots (drop_fork_snapshots)
         rec.extra["forked"] = True
         rec.save()
     snap = await snapshot_sandbox(node, sandbox_id, name or fork_image_name(sandbox_id), store_budget=store_budget)
@@ -280,20 +244,13 @@ async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, memory: bool = Fa
     return await node.create_many(spec, n)
 
 
-async def fork_with_memory(node: Node, rec: SandboxRecord, n: int, **overrides: Any) -> list[SandboxInfo | ShoalError]:
-    """Fork processes and memory too: delegated to a backend that implements `fork_memory(rec, n, **kw)`."""
-    backend = node.backend(rec.backend)
-    impl = getattr(backend, "fork_memory", None)
-    if impl is not None:
-        return await impl(rec, n, **overrides)
-    if rec.backend == "container" and rec.runtime == "gvisor":
-        raise NotImplementedYet(
-            "memory+process fork of gVisor sandboxes (runsc checkpoint --leave-running, then runsc restore "
-            "per child) is not implemented in this build; fork(n) without memory=True forks the files")
-    gvisor = ("its runsc is installed but this build does not drive runsc checkpoint yet" if shutil.which("runsc")
-              else "runsc is not installed (Debian 12 has no package; the PyPI `gvisor` package is bindings only)")
-    raise BackendUnavailable(
-        f"memory+process fork needs a backend that can checkpoint processes; sandbox {rec.id} runs on "
-        f"{rec.backend}/{rec.runtime or '?'}, which forks files only. Use fork(n) without memory=True (files), "
-        f"or a VM backend with memory snapshots. gVisor (runtime='gvisor') could do it, but {gvisor}; "
-        "CRIU does not work on this kernel.")
+def drop_fork_snapshots(store: ImageStore, rec: SandboxRecord) -> None:
+    """Untag the snapshots that fork(n) made of a closed sandbox under their automatic names
+    (`forks/<id>:…`, or a project's `projects/<p>/forks/<id>:…`): an RL loop forking every step would
+    otherwise grow the store without end. Live children keep their layers (gc never removes a layer a
+    sandbox uses); snapshots forked under a name of the caller's choosing stay. Blocking."""
+    for name in (fork_image_prefix(rec.id), f"projects/{rec.project}/{fork_image_prefix(rec.id)}"):
+        try:
+            store.remove_name(name)
+        except OSError as e:  # a shared store that is briefly unavailable: gc can still do it later
+            log.warning("could not untag the fork snapshots of %s: %s", rec.id, e)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field
 
-from shoal.errors import Forbidden, ImageNotFound, InvalidRequest, NotImplementedYet
+from shoal.errors import Forbidden, ImageNotFound, InvalidRequest
 from shoal.fsutil import tmp_name
 from shoal.server.codec import b64decode_field, encode_run_code_result
 from shoal.server.deps import Namespace, authorized, require_admin, state_of
@@ -115,10 +115,7 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
         ref = body.name if ":" in body.name else "base:latest"
         img = await asyncio.to_thread(build_base, st.node.store, ref)
         return ns.show_image(img.to_dict())
-    try:
-        from shoal.images import recipe as rmod
-    except ImportError:
-        raise NotImplementedYet("building images from recipes is not available in this build") from None
+    from shoal.images import recipe as rmod
     rin = body.recipe
     steps: list[Any] = []
     for stp in rin.steps:
@@ -154,10 +151,7 @@ async def import_image(request: Request, who: Who,
     st = state_of(request)
     ns = Namespace(who)
     target = ns.for_write(name)
-    try:
-        from shoal.images.oci import import_archive
-    except ImportError:
-        raise NotImplementedYet("image import is not available in this build") from None
+    from shoal.images.oci import import_archive
     tmp = Path(st.node.store.tmp_dir) / (tmp_name("upload-") + ".tar")
     try:
         async with store_budget(st.node.store, who, f"importing {name}"):
@@ -180,10 +174,7 @@ async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]
     st = state_of(request)
     require_admin(who, "pulling from a registry")
     ns = Namespace(who)
-    try:
-        from shoal.images.oci import pull_image as _pull
-    except ImportError:
-        raise NotImplementedYet("pulling images is not available in this build") from None
+    from shoal.images.oci import pull_image as _pull
     rep = await asyncio.to_thread(_pull, st.node.store, body.source, ns.for_write(body.name),
                                   tls_verify=body.tls_verify)
     return _report(ns, rep)

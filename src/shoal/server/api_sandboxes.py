@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
 from pydantic import StringConstraints
 
-from shoal.errors import Forbidden, InvalidRequest, NotImplementedYet, SandboxError, ShoalError
+from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
 from shoal.models import SandboxInfo, SandboxSpec
 from shoal.server.codec import b64decode_field, encode_exec_result
 from shoal.server.deps import Namespace, ServerState, authorized, owned_record, state_of
@@ -304,11 +304,8 @@ async def snapshot_sandbox(sandbox_id: SidPath, body: SnapshotIn, request: Reque
     owned_record(st, who, sandbox_id)
     ns = Namespace(who)
     name = ns.for_write(body.name)
-    try:
-        async with store_budget(st.node.store, who, f"a snapshot of {sandbox_id}") as budget:
-            out = await st.node.snapshot(sandbox_id, name, store_budget=budget)
-    except ImportError:
-        raise NotImplementedYet("snapshots are not available in this build") from None
+    async with store_budget(st.node.store, who, f"a snapshot of {sandbox_id}") as budget:
+        out = await st.node.snapshot(sandbox_id, name, store_budget=budget)
     return ns.show_image(out)
 
 
@@ -327,10 +324,8 @@ async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who:
     if "name" in opts and opts["name"] is not None:
         opts["name"] = ns.for_write(str(opts["name"]))
     elif ns.prefix is not None:
-        try:
-            from shoal.node.snapshot import fork_image_name
-        except ImportError:
-            raise NotImplementedYet("fork is not available in this build") from None
+        from shoal.node.snapshot import fork_image_name
+
         opts["name"] = ns.for_write(fork_image_name(sandbox_id))
     cpus = float(opts.get("cpus", rec.spec.get("cpus", 1.0)))
     mem = int(opts.get("memory_mb", rec.spec.get("memory_mb", 1024)))
@@ -344,8 +339,6 @@ async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who:
                 if budget is not None:
                     opts["store_budget"] = budget
                 items = await st.node.fork(sandbox_id, body.n, **opts)
-        except ImportError:
-            raise NotImplementedYet("fork is not available in this build") from None
         except TypeError as e:
             raise InvalidRequest(f"bad fork options: {e}") from None
         for it in items:

@@ -250,11 +250,7 @@ def _system_routes(app: FastAPI) -> None:
 
 
 def _include_fusion(app: FastAPI) -> None:
-    # the SandboxFusion-compatible /run_code comes from the fncall backend's module when present
-    try:
-        from shoal.server import fusion  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    router = getattr(fusion, "router", None)
-    if router is not None:
-        app.include_router(router, dependencies=[Depends(authorized)], responses=errors(500, 501, 503, 504))
+    # the SandboxFusion-compatible /run_code of the fncall backend
+    from shoal.server import fusion
+
+    app.include_router(fusion.router, dependencies=[Depends(authorized)], responses=errors(500, 501, 503, 504))

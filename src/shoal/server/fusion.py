@@ -38,7 +38,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from shoal.backends.fncall import FncallManager, get_pool_manager
+from shoal.backends.fncall import FncallManager
 from shoal.backends.fncall_languages import supported
 from shoal.errors import BackendUnavailable, InvalidRequest, ShoalError
 from shoal.models import RunCodeResult
@@ -138,7 +138,7 @@ async def current_manager(request: Request) -> FncallManager:
     node = getattr(st, "node", None) or getattr(request.app.state, "fncall_node", None)
     if node is None:
         raise BackendUnavailable("no shoal node is bound to this app: call shoal.server.fusion.bind_node(app, node)")
-    return get_pool_manager(node)
+    return node.fncall()  # type: ignore[no-any-return]
 
 
 # ---- translation -------------------------------------------------------------------------------------------
@@ -273,13 +273,13 @@ def create_fusion_app(node: Node | None = None, *, warm: dict[str, int] | None =
         bind_node(app, n)
         try:
             for lang, count in (warm or {}).items():
-                await get_pool_manager(n).warm(lang, count)
+                await n.fncall().warm(lang, count)
             yield
         finally:
             if own:
                 await n.stop()
             else:
-                await get_pool_manager(n).close()
+                await n.fncall().close()
 
     app = FastAPI(title="shoal fncall (SandboxFusion-compatible)", lifespan=lifespan)
 

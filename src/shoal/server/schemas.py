@@ -110,10 +110,8 @@ class ForkIn(_In):
 
 
 def _languages() -> list[str]:
-    try:
-        from shoal.backends.fncall_languages import LANGUAGES
-    except ImportError:
-        return []
+    from shoal.backends.fncall_languages import LANGUAGES
+
     return sorted({n for lang in LANGUAGES.values() for n in (lang.name, *lang.aliases)})
 
 
@@ -122,7 +120,7 @@ class RunCodeIn(_In):
 
     code: str = Field(..., max_length=1 << 22)
     language: str = Field("python", max_length=32,
-                          json_schema_extra={"enum": _languages()} if _languages() else None)
+                          json_schema_extra={"enum": _languages()})
     stdin: str | None = Field(None, max_length=1 << 24)
     stdin_b64: B64 | None = Field(None, max_length=1 << 26, description="stdin bytes, base64")
     timeout: float | None = Field(None, gt=0, le=600, description="seconds the run step may take")

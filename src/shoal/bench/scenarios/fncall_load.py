@@ -121,10 +121,9 @@ class _Phase:
 async def bench_shoal_sdk(client: shoal.Client, n: int, concurrency: int, snippet: str, expect: str, warmup: int,
                           seq_n: int = 200) -> dict[str, Any]:
     """`run_code` calls on `client`'s embedded node, `concurrency` at a time."""
-    from shoal.backends.fncall import get_pool_manager
 
     node = client.transport.node  # type: ignore[attr-defined]
-    mgr = get_pool_manager(node)
+    mgr = node.fncall()
     await mgr.warm("python", mgr.config.max_size)
     await client.run_code_many([snippet] * warmup, concurrency=concurrency)
     lat: list[float] = []

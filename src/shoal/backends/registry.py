@@ -1,0 +1,127 @@
+"""Which backends and container runtimes exist: name → factory, imported on first use.
+
+A backend's module is imported only when a node first needs that backend, so an uninstalled extra (or a
+host without QEMU) costs nothing until someone asks for it — and then its import errors are loud.
+Adding a backend or a runtime is one module plus one entry here (docs/architecture.md shows the steps).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import BackendUnavailable, InvalidRequest
+
+if TYPE_CHECKING:
+    from shoal.backends.base import Backend
+    from shoal.backends.runtime import OciRuntime
+    from shoal.node.context import NodeContext
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One backend: `factory` is "module:callable", called as `factory(ctx, name)` → Backend."""
+
+    name: str
+    factory: str
+    summary: str
+    #: gives no isolation (tests only): a node refuses it unless its config enables it
+    test_only: bool = False
+
+
+@dataclass(frozen=True)
+class RuntimeEntry:
+    """One OCI runtime for container sandboxes: `factory` is "module:class" of an `OciRuntime`."""
+
+    name: str
+    binary: str
+    factory: str
+    #: how to install the binary (shown when it is missing)
+    install: str
+    #: order in which runtime="auto" tries it (None: only when asked for by name)
+    auto_rank: int | None = None
+
+
+BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
+    BackendEntry("container", "shoal.backends.container:ContainerBackend",
+                 "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
+    BackendEntry("microvm", "shoal.backends.vm:make_microvm_backend",
+                 "QEMU microvm (Firecracker when usable) booting shoal's guest kernel"),
+    BackendEntry("vm", "shoal.backends.vm:QemuVmBackend", "a full QEMU q35 VM booting the image's own kernel"),
+    BackendEntry("fncall", "shoal.backends.fncall:FncallBackend",
+                 "short code runs on warm pools of containers (run_code; no sandboxes of its own)"),
+    BackendEntry("fake", "shoal.backends.fake:FakeBackend",
+                 "NO isolation: each sandbox is a directory and plain processes, for unit tests", test_only=True),
+)}
+
+RUNTIMES: dict[str, RuntimeEntry] = {e.name: e for e in (
+    RuntimeEntry("crun", "crun", "shoal.backends.runtime:CrunRuntime", "apt-get install crun", auto_rank=0),
+    RuntimeEntry("runc", "runc", "shoal.backends.runtime:RuncRuntime", "apt-get install runc", auto_rank=1),
+    RuntimeEntry("gvisor", "runsc", "shoal.backends.runtime:GvisorRuntime",
+                 "apt-get install runsc (Debian 12), or the binary from gvisor.dev"),
+)}
+
+_loaded: dict[str, Callable[..., Any]] = {}
+
+
+def _load(target: str) -> Callable[..., Any]:
+    fn = _loaded.get(target)
+    if fn is None:
+        module, _, attr = target.partition(":")
+        # no ImportError guard: a broken shoal module must fail loudly, not look like a missing feature
+        fn = _loaded[target] = getattr(importlib.import_module(module), attr)
+    return fn
+
+
+def backend_names(*, include_test_only: bool = False) -> list[str]:
+    """Registered backend names (the test-only ones only when asked)."""
+    return [n for n, e in BACKENDS.items() if include_test_only or not e.test_only]
+
+
+def check_backend_name(name: object) -> str:
+    """`name` when it is a registered backend; InvalidRequest listing the choices otherwise."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise InvalidRequest(f"unknown backend {name!r}: choose {', '.join(backend_names())}")
+    return name
+
+
+def create_backend(name: str, ctx: NodeContext) -> Backend:
+    """Build the backend `name` for a node (imports its module on first use)."""
+    entry = BACKENDS.get(check_backend_name(name))
+    assert entry is not None
+    if entry.test_only and not ctx.config.fake_backend:
+        raise BackendUnavailable(
+            f"the {name} backend gives NO isolation (sandboxes are plain processes of this user) and is for "
+            "unit tests only; it is disabled here. Tests enable it with NodeConfig(fake_backend=True) or "
+            "SHOAL_FAKE_BACKEND=1; never enable it on a host that runs untrusted code")
+    backend: Backend = _load(entry.factory)(ctx, name)
+    return backend
+
+
+def runtime_names() -> list[str]:
+    """Registered container runtime names."""
+    return list(RUNTIMES)
+
+
+def auto_runtimes() -> list[str]:
+    """The runtimes runtime="auto" tries, in order."""
+    ranked = [e for e in RUNTIMES.values() if e.auto_rank is not None]
+    return [e.name for e in sorted(ranked, key=lambda e: e.auto_rank or 0)]
+
+
+def check_runtime_name(name: object) -> str:
+    """`name` when it is "auto" or a registered runtime; InvalidRequest listing the choices otherwise."""
+    if name == "auto" or (isinstance(name, str) and name in RUNTIMES):
+        return name
+    raise InvalidRequest(f"unknown runtime {name!r}: choose auto, {', '.join(RUNTIMES)}")
+
+
+def make_runtime(name: str, binary: str) -> OciRuntime:
+    """The OciRuntime object driving `binary` as runtime `name`."""
+    entry = RUNTIMES.get(name)
+    if entry is None:
+        raise BackendUnavailable(f"unknown runtime {name!r}: choose {', '.join(RUNTIMES)}")
+    runtime: OciRuntime = _load(entry.factory)(name, binary)
+    return runtime

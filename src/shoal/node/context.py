@@ -1,0 +1,108 @@
+"""What a backend may use of its node: a small public context, never the Node object itself.
+
+The node builds one `NodeContext` and hands it to every backend it creates (see
+shoal.backends.registry.create_backend). Everything here is public API of the node's parts
+(admission, agent connections, state locks, records), so a backend that restores VMs or runs a
+service on pooled sandboxes does it through the same doors the node uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from shoal.config import NodeConfig, Paths
+from shoal.images.mounts import LayerMounts
+from shoal.images.store import ImageStore
+from shoal.node.admission import Admission
+from shoal.node.connections import AgentConnections
+from shoal.node.records import SandboxRecord, check_sandbox_id, my_identity, new_sandbox_id
+from shoal.node.statelock import SandboxLocks
+
+if TYPE_CHECKING:
+    from shoal.agentproto.client import AgentClient
+    from shoal.backends.base import Backend
+    from shoal.backends.runtime import RuntimeStatus
+    from shoal.models import SandboxInfo, SandboxSpec
+    from shoal.node.network import NetworkManager
+
+
+class SandboxHost(Protocol):
+    """The node's public sandbox API, for services built on ordinary sandboxes (fncall's warm pools)."""
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+    async def close(self, sandbox_id: str) -> None: ...
+    async def client(self, sandbox_id: str) -> AgentClient: ...
+    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> Any: ...
+    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]: ...
+
+
+class NodeContext:
+    """The node's public parts, as a backend sees them."""
+
+    def __init__(self, *, config: NodeConfig, store: ImageStore, layer_mounts: LayerMounts, guest_dir: Path,
+                 admission: Admission, connections: AgentConnections, locks: SandboxLocks,
+                 network: Callable[[], NetworkManager], runtime_statuses: Callable[[], dict[str, RuntimeStatus]],
+                 backend: Callable[[str], Backend], describe: Callable[[SandboxRecord], SandboxInfo],
+                 sandboxes: SandboxHost) -> None:
+        self.config = config
+        self.paths: Paths = config.paths
+        self.store = store
+        self.layer_mounts = layer_mounts
+        #: where the node keeps its stable copy of the in-sandbox agent binary (shoal-agent)
+        self.guest_dir = guest_dir
+        self.admission = admission
+        self.connections = connections
+        self.locks = locks
+        self.sandboxes = sandboxes
+        self._network = network
+        self._statuses = runtime_statuses
+        self._backend = backend
+        self._describe = describe
+
+    @property
+    def agent_binary(self) -> Path:
+        """The agent binary the node installed for its sandboxes."""
+        return self.guest_dir / "shoal-agent"
+
+    def network(self) -> NetworkManager:
+        """The node's network manager (veth + NAT), created on first use."""
+        return self._network()
+
+    def runtime_statuses(self) -> dict[str, RuntimeStatus]:
+        """Which OCI runtimes work on this host (probed once per boot)."""
+        return self._statuses()
+
+    def backend(self, name: str) -> Backend:
+        """Another backend of the same node (e.g. the VM kind a memory snapshot was taken on)."""
+        return self._backend(name)
+
+    def describe(self, rec: SandboxRecord) -> SandboxInfo:
+        """The SandboxInfo the node reports for a record."""
+        return self._describe(rec)
+
+    def record(self, sandbox_id: str) -> SandboxRecord:
+        """A sandbox's record (SandboxNotFound when there is none)."""
+        check_sandbox_id(sandbox_id)
+        return SandboxRecord.load(self.paths.sandboxes / sandbox_id)
+
+    def new_record(self, *, backend: str, image: str, image_digest: str, layers: list[str],
+                   spec: dict[str, Any], extra: dict[str, Any], make_dir: Callable[[Path], None] | None = None,
+                   runtime: str = "", project: str | None = None, labels: dict[str, str] | None = None,
+                   ) -> SandboxRecord:
+        """A record (not saved yet) for a new sandbox of this node, with its directory made and this
+        process as its owner; the TTL, project and labels come from `spec` unless given."""
+        sid = new_sandbox_id(self.config.node_id)
+        d = self.paths.sandboxes / sid
+        (make_dir or Path.mkdir)(d)
+        owner_pid, owner_start = my_identity()
+        now = time.time()
+        ttl = spec.get("ttl_s")
+        return SandboxRecord(
+            id=sid, backend=backend, image=image, image_digest=image_digest, layers=layers, spec=spec,
+            dir=str(d), owner_pid=owner_pid, owner_start=owner_start, created_at=now,
+            expires_at=(now + float(ttl)) if ttl else None,
+            project=project if project is not None else (spec.get("project") or "default"),
+            labels=dict(labels if labels is not None else (spec.get("labels") or {})), runtime=runtime, extra=extra)

@@ -1,0 +1,150 @@
+"""The node's data plane: exec, streams, files and shells, through the in-sandbox agent.
+
+These are the same on every backend (one agent, one protocol), so they live apart from the node's
+control plane (create, close, pause, snapshot). `Node` mixes this class in; it supplies `record`,
+`client` and `call` (which resume a paused sandbox and report a dead one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import InvalidRequest
+from shoal.models import DirEntry, ExecResult
+from shoal.spec import DEFAULT_EXEC_TIMEOUT_S, DEFAULT_MAX_OUTPUT_BYTES, MAX_EXEC_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from shoal.agentproto.client import AgentClient
+    from shoal.config import NodeConfig
+    from shoal.node.records import SandboxRecord
+
+
+class DataPlane:
+    """exec / stream / files / shells of a node's sandboxes."""
+
+    config: NodeConfig
+
+    def record(self, sandbox_id: str) -> SandboxRecord:  # pragma: no cover - provided by Node
+        """The sandbox's record."""
+        raise NotImplementedError
+
+    async def client(self, sandbox_id: str, rec: SandboxRecord | None = None) -> AgentClient:  # pragma: no cover
+        """A live connection to the sandbox's agent."""
+        raise NotImplementedError
+
+    async def call(self, rec: SandboxRecord, fn: Callable[[AgentClient], Any]) -> Any:  # pragma: no cover
+        """Run `fn(client)` against the sandbox's agent."""
+        raise NotImplementedError
+
+    # ---- commands -------------------------------------------------------------------------------
+    async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                   cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
+                   stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
+        """Run a command to completion in the sandbox."""
+        argv = _argv(cmd, self.config.posix_sh)
+        rec = self.record(sandbox_id)
+        cwd, user = _exec_defaults(rec, cwd, user)
+        cap = _output_cap(rec) if max_output is None else max_output
+        check_timeout(timeout)
+        return await self.call(rec, lambda c: c.exec(
+            argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap, stdin=stdin))
+
+    async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                     cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
+                     tty: bool = False, stdin: bool = False) -> Any:
+        """Start a command and return its stream handle (async iterator of StreamEvent)."""
+        argv = _argv(cmd, self.config.posix_sh)
+        rec = self.record(sandbox_id)
+        cwd, user = _exec_defaults(rec, cwd, user)
+        check_timeout(timeout)
+        c = await self.client(sandbox_id, rec)
+        return await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=_output_cap(rec),
+                                   tty=tty, stdin=stdin)
+
+    # ---- files ----------------------------------------------------------------------------------
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """Read a whole file from the sandbox (relative paths start at the sandbox's workdir)."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        return await self.call(rec, lambda c: c.read_file(path, limit=self.config.max_file_bytes))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write a file in the sandbox (atomically; parent directories are created)."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidRequest("data must be bytes")
+        if len(data) > self.config.max_file_bytes:
+            raise InvalidRequest(f"file too large ({len(data)} bytes > {self.config.max_file_bytes})")
+        await self.call(rec, lambda c: c.write_file(path, bytes(data), mode=mode))
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
+        """List a directory in the sandbox."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        return await self.call(rec, lambda c: c.list_dir(path))
+
+    # ---- shells ---------------------------------------------------------------------------------
+    async def shell_open(self, sandbox_id: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
+                         user: str | None = None) -> str:
+        """Start a persistent bash session in the sandbox; returns its id."""
+        rec = self.record(sandbox_id)
+        cwd, user = _exec_defaults(rec, cwd, user)
+        return await self.call(rec, lambda c: c.shell_open(cwd=cwd, env=env, user=user))
+
+    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *,
+                        timeout: float | None = DEFAULT_EXEC_TIMEOUT_S, max_output: int | None = None) -> ExecResult:
+        """Run one command in a shell session; state (cwd, env, functions) carries over."""
+        if not isinstance(cmd, str):
+            raise InvalidRequest("shell commands are strings")
+        check_timeout(timeout)
+        rec = self.record(sandbox_id)
+        cap = _output_cap(rec) if max_output is None else max_output
+        return await self.call(rec, lambda c: c.shell_run(shell_id, cmd, timeout=timeout, max_output=cap))
+
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
+        """End a shell session and its processes."""
+        rec = self.record(sandbox_id)
+        await self.call(rec, lambda c: c.shell_close(shell_id))
+
+
+def _argv(cmd: str | list[str], posix_sh: bool) -> list[str]:
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise InvalidRequest("command is empty")
+        return ["/bin/sh", "-c", cmd] if posix_sh else ["/bin/bash", "-c", cmd]
+    if not cmd or not all(isinstance(a, str) for a in cmd):
+        raise InvalidRequest("command must be a non-empty string or list of strings")
+    return list(cmd)
+
+
+def _exec_defaults(rec: SandboxRecord, cwd: str | None, user: str | None) -> tuple[str, str | None]:
+    spec = rec.spec
+    return (cwd or spec.get("workdir") or rec.extra.get("workdir") or "/",
+            user or spec.get("user") or rec.extra.get("user") or None)
+
+
+def _output_cap(rec: SandboxRecord) -> int:
+    return int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
+
+
+def _abspath(rec: SandboxRecord, path: str) -> str:
+    if isinstance(path, str) and path and not path.startswith("/"):
+        path = _exec_defaults(rec, None, None)[0].rstrip("/") + "/" + path
+    check_path(path)
+    return path
+
+
+def check_timeout(timeout: float | None) -> None:
+    """A command timeout: positive seconds up to MAX_EXEC_TIMEOUT_S, or None (no limit)."""
+    if timeout is not None and not (0 < float(timeout) <= MAX_EXEC_TIMEOUT_S):
+        raise InvalidRequest(f"timeout={timeout!r} must be positive seconds (at most 7 days) or None")
+
+
+def check_path(path: str) -> None:
+    """A path inside the sandbox: absolute, no NUL, at most 4096 bytes."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InvalidRequest(f"path {path!r} must be an absolute path inside the sandbox")
+    if len(path) > 4096:
+        raise InvalidRequest("path longer than 4096 bytes")
