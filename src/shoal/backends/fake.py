@@ -95,6 +95,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _state(pid: int) -> str:
+    """The one-letter state of a process ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    return data[data.rfind(b")") + 2:].split()[0].decode()
+
+
 class FakeBackend(Backend):
     """Sandboxes as host directories and plain processes (no isolation; unit tests only)."""
 
@@ -144,8 +154,9 @@ class FakeBackend(Backend):
             sock = _socket_dir() / f"{rec.id}.sock"
             rec.extra.update(socket=str(sock), root=str(root))
             rec.runtime = "fake"
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "LANG": "C.UTF-8"}
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
             env.update(image.config.env)
+            env["HOME"] = str(root)  # the image's HOME is a path inside the sandbox: its root here
             env.update(spec.env)
             env.setdefault("HOSTNAME", spec.hostname or "sandbox")
             env["SHOAL_SANDBOX_ROOT"] = str(root)
@@ -205,12 +216,21 @@ class FakeBackend(Backend):
         await asyncio.to_thread(shutil.rmtree, rec.path, True)
 
     async def pause(self, rec: SandboxRecord) -> None:
-        """SIGSTOP the agent and every process under it."""
+        """SIGSTOP the agent and every process under it, and wait until they are all stopped (a signal
+        takes effect when the process next runs; a process may fork meanwhile: look again until none runs)."""
         if not rec.init_alive():
             raise SandboxError(f"fake sandbox {rec.id} has died")
-        for pid in [rec.init_pid, *descendants(rec.init_pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while True:
+            running = [p for p in [rec.init_pid, *descendants(rec.init_pid)] if _state(p) not in ("T", "Z", "X", "")]
+            if not running:
+                return
+            if time.monotonic() > deadline:
+                raise SandboxError(f"fake sandbox {rec.id}: processes {running} did not stop")
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(0.001)
 
     async def resume(self, rec: SandboxRecord) -> None:
         """SIGCONT them again (children first, so the agent never sees a stopped child it did not stop)."""
