@@ -47,7 +47,7 @@ class RuntimeEntry:
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("container", "shoal.backends.container:ContainerBackend",
                  "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
-    BackendEntry("microvm", "shoal.backends.vm:make_microvm_backend",
+    BackendEntry("microvm", "shoal.backends.microvm:make_microvm_backend",
                  "QEMU microvm (Firecracker when usable) booting shoal's guest kernel"),
     BackendEntry("vm", "shoal.backends.vm:QemuVmBackend", "a full QEMU q35 VM booting the image's own kernel"),
     BackendEntry("fncall", "shoal.backends.fncall:FncallBackend",

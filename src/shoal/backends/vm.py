@@ -450,15 +450,6 @@ class QemuVmBackend(Backend):
         return await restore_vm_snapshot(self, name, n)
 
 
-def make_microvm_backend(ctx: NodeContext, name: str = "microvm") -> Backend:
-    """The "microvm" backend: Firecracker when usable here, else QEMU's microvm machine."""
-    from shoal.backends.firecracker import FirecrackerBackend, firecracker_usable
-
-    if firecracker_usable()[0]:
-        return FirecrackerBackend(ctx, name)
-    return QemuVmBackend(ctx, name)
-
-
 # ---- memory snapshots and fork -------------------------------------------------------------------
 def snapshots_dir(paths: Paths) -> Path:
     """Where named VM snapshots live (host-local: memory images are tied to this host's QEMU and store)."""
