@@ -268,9 +268,7 @@ async def forget_sandbox(st: ServerState, sandbox_id: str) -> None:
 
 async def set_ttl(st: ServerState, sandbox_id: str, seconds: float, *, only_extend: bool = False) -> None:
     """Make the sandbox expire `seconds` from now (shoal's reaper closes it then)."""
-    from shoal.node.statelock import sandbox_state_lock
-
-    async with sandbox_state_lock(st.node, sandbox_id):
+    async with st.node.locks.state(sandbox_id):
         rec = st.node.record(sandbox_id)
         new = time.time() + seconds
         if only_extend and rec.expires_at is not None and rec.expires_at >= new:
