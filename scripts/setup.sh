@@ -46,9 +46,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.shoal-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "==> pip install -e .[dev]"
+  echo "==> pip install -e .[dev,ray]"
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/pip install -q -e '.[dev,ray]'
   touch "$stamp"
 fi
 

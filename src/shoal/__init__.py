@@ -16,10 +16,12 @@ from shoal.errors import (
     ImageCorrupt,
     ImageNotFound,
     InvalidRequest,
+    NodeUnavailable,
     NotImplementedYet,
     QuotaExceeded,
     SandboxError,
     SandboxFileError,
+    SandboxLost,
     SandboxNotFound,
     ShellNotFound,
     ShoalError,
@@ -38,8 +40,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
     "Forbidden", "GangUnsatisfiable", "ImageBuildError", "ImageCorrupt", "ImageNotFound", "InvalidRequest",
-    "NotImplementedYet", "QuotaExceeded", "Sandbox",
-    "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxNotFound", "SandboxSpec", "Shell",
+    "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxLost", "SandboxNotFound", "SandboxSpec", "Shell",
     "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
     "Timeout", "Unauthorized", "Unsupported", "__version__",
 ]

@@ -130,6 +130,23 @@ class SandboxError(ShoalError):
     code = "sandbox_error"
 
 
+class SandboxLost(ShoalError, LookupError):
+    """The node that held the sandbox is gone (its machine or Ray node left the cluster): the sandbox and
+    its files cannot be reached any more. Close it to forget it, and create a new one."""
+
+    http_status = 410
+    code = "sandbox_lost"
+
+
+class NodeUnavailable(ShoalError):
+    """The node agent that owns the sandbox did not answer (it is restarting, or its node is overloaded).
+    Retryable: the SDK retries idempotent calls by itself; retry others once the node is back."""
+
+    http_status = 503
+    code = "node_unavailable"
+    retryable = True
+
+
 class AgentProtocolError(SandboxError):
     """The in-sandbox agent answered something the protocol does not allow."""
 
@@ -187,6 +204,8 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         Timeout,
         BackendUnavailable,
         SandboxError,
+        SandboxLost,
+        NodeUnavailable,
         AgentProtocolError,
         ImageBuildError,
         ImageCorrupt,

@@ -16,7 +16,8 @@ class Client:
     """Entry point of the SDK.
 
     `Client()` embeds a node agent in this process; `Client("http://host:8700", token=...)` talks to
-    `shoal serve`. Both have the same surface. Sandboxes created through a client are closed when the
+    `shoal serve`; `Client("ray://ADDR")` drives every node agent of a Ray cluster (see docs/cluster.md).
+    All have the same surface. Sandboxes created through a client are closed when the
     client closes, unless `keep=True` (they then live until closed or their TTL passes).
     """
 
@@ -24,7 +25,11 @@ class Client:
                  home: str | None = None, store: str | None = None, keep: bool = False,
                  timeout: float = 600.0) -> None:
         if transport is None:
-            if url:
+            if url and url.startswith("ray://"):
+                from shoal.cluster.transport import ClusterTransport
+
+                transport = ClusterTransport(url, timeout=timeout)
+            elif url:
                 from shoal.sdk.http import HttpTransport
 
                 transport = HttpTransport(url, token=token, timeout=timeout)

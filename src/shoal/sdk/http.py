@@ -259,7 +259,8 @@ class HttpTransport(Transport):
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 wait = self._backoff(attempt, 0.0)
                 if not self.retry or time.monotonic() + wait > deadline:
-                    raise TransportError(f"cannot reach the shoal server at {self.url}: {e}") from None
+                    # sent=False: the request never reached the server (safe to send again, even a create)
+                    raise TransportError(f"cannot reach the shoal server at {self.url}: {e}", sent=False) from None
                 await asyncio.sleep(wait)
                 continue
             except httpx.TimeoutException as e:
@@ -366,7 +367,7 @@ class HttpTransport(Transport):
             except OSError as e:
                 wait = self._backoff(attempt, 0.0)
                 if not self.retry or time.monotonic() + wait > deadline:
-                    raise TransportError(f"cannot open a stream to {self.url}: {e}") from None
+                    raise TransportError(f"cannot open a stream to {self.url}: {e}", sent=False) from None
                 await asyncio.sleep(wait)
             except Exception as e:
                 raise TransportError(f"cannot open a stream to {self.url}: {type(e).__name__}: {e}") from None
