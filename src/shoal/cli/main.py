@@ -252,6 +252,10 @@ from shoal.cli.config import config as _config  # noqa: E402 - `shoal config` li
 
 app.command("config")(_config)
 
+from shoal.cli.cluster import register as _register_cluster  # noqa: E402 - `shoal cluster ...` lives there
+
+_register_cluster(app)
+
 
 @app.callback()
 def _load_settings() -> None:

@@ -35,12 +35,17 @@ def serve(host: Annotated[str | None, typer.Option(help="address to bind [env SH
           max_inflight: Annotated[int | None, typer.Option(help="requests in progress per token [1024]")] = None,
           create_concurrency: Annotated[int | None, typer.Option(help="sandboxes created at once [32]")] = None,
           log_level: Annotated[str | None, typer.Option(help="uvicorn log level [warning]")] = None,
-          access_log: Annotated[bool, typer.Option(help="log every request")] = False) -> None:
+          access_log: Annotated[bool, typer.Option(help="log every request")] = False,
+          cluster: Annotated[str | None, typer.Option("--cluster", help="serve a whole Ray cluster: ray://ADDR "
+                                                      "(a gateway to its node agents; see docs/cluster.md)")]
+          = None) -> None:
     """Serve the HTTP API (REST + WebSocket streams, /openapi.json, /healthz, /metrics).
 
     Without any token configured the server binds loopback only; `shoal token create` turns auth on.
     Stopping the server (Ctrl-C, SIGTERM, even kill -9) keeps sandboxes running; the next server serves them.
     Every limit is also a setting (SHOAL_API_*, see docs/configuration.md); options given here win.
+    With --cluster ray://ADDR it serves every node agent of a Ray cluster (tokens, projects and quotas
+    cluster-wide; run `shoal cluster up` first).
     """
     from shoal.config import InvalidSetting, NodeConfig, Settings
     from shoal.node.node import Node
@@ -58,6 +63,12 @@ def serve(host: Annotated[str | None, typer.Option(help="address to bind [env SH
         err_console.print(f"[red]error:[/red] {e.message}")
         raise typer.Exit(2) from None
     s = ServerSettings.from_settings(st, no_auth=no_auth, access_log=access_log)
+    if cluster is not None:
+        if not cluster.startswith("ray://"):
+            err_console.print(f"[red]error:[/red] --cluster {cluster!r} must look like ray://ADDR")
+            raise typer.Exit(2)
+        run_serve(s, say=lambda m: print(m, file=sys.stderr, flush=True), cluster=cluster)
+        return
     node = Node(NodeConfig.from_settings(st))
     run_serve(s, node=node, say=lambda m: print(m, file=sys.stderr, flush=True))  # plain lines: logs get parsed
 

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 #: sandbox operations `NodeAgent.call` runs over Ray (name → Node method)
 CONTROL_OPS = frozenset({"get", "close", "pause", "resume", "snapshot", "fork", "exec", "read_file", "write_file",
                          "list_dir", "shell_open", "shell_run", "shell_close"})
-_INDEX_EVERY_S = 1.0
+#: how often the agent checks whether its sandbox index changed (a stat), and rewrites it anyway
+_INDEX_POLL_S = 0.05
+_INDEX_FULL_S = 10.0
 
 
 def _ok(value: Any) -> dict[str, Any]:
@@ -149,9 +151,7 @@ class NodeAgent:
         from shoal.node.node import Node
 
         paths = Paths.from_env(self.home, self.store)
-        cfg = NodeConfig(paths=paths)
-        cfg.node_id = self.node_id
-        node = Node(cfg)
+        node = Node(NodeConfig(paths=paths, node_id=self.node_id))
         await node.start()
         self.adopted = {"sandboxes": len(await node.list())}
         self.node = node
@@ -268,12 +268,13 @@ class NodeAgent:
         self._state_cache = (now, st)
         return st
 
-    async def usage(self) -> list[tuple[str, str, float, int, str]]:
-        """(id, project, cpus, memory_mb, state) of every sandbox here, for cluster-wide quotas."""
+    async def usage(self) -> list[tuple[str, str, float, int, str, dict[str, Any]]]:
+        """(id, project, cpus, memory_mb, state, spec) of every sandbox here: cluster-wide quotas and the
+        gateway's knowledge of who owns what."""
         await self.ensure_started()
         from shoal.node.records import list_records
 
-        return [(r.id, r.project, float(r.spec.get("cpus", 0)), int(r.spec.get("memory_mb", 0)), r.state)
+        return [(r.id, r.project, float(r.spec.get("cpus", 0)), int(r.spec.get("memory_mb", 0)), r.state, r.spec)
                 for r in list_records(self.node.paths.sandboxes) if not r.extra.get("pool")]
 
     async def call(self, op: str, sandbox_id: str, args: tuple[Any, ...] = (),
@@ -296,14 +297,20 @@ class NodeAgent:
         from shoal.cluster.raylink import KV_INDEX_PREFIX, kv_put
 
         last = b""
+        seen: tuple[int, float] = (-1, 0.0)
         while True:
             with contextlib.suppress(Exception):
-                infos = await self.node.list()
-                data = json.dumps([_index_entry(i) for i in infos], separators=(",", ":")).encode()
-                if data != last:
-                    await asyncio.to_thread(kv_put, KV_INDEX_PREFIX + self.node_id, data)
-                    last = data
-            await asyncio.sleep(_INDEX_EVERY_S)
+                # a create or close adds or removes an entry of the sandboxes directory: one stat tells
+                mtime = os.stat(self.node.paths.sandboxes).st_mtime_ns
+                now = time.monotonic()
+                if mtime != seen[0] or now - seen[1] > _INDEX_FULL_S:
+                    seen = (mtime, now)
+                    infos = await self.node.list()
+                    data = json.dumps([_index_entry(i) for i in infos], separators=(",", ":")).encode()
+                    if data != last:
+                        await asyncio.to_thread(kv_put, KV_INDEX_PREFIX + self.node_id, data)
+                        last = data
+            await asyncio.sleep(_INDEX_POLL_S)
 
 
 def _index_entry(info: SandboxInfo) -> dict[str, Any]:

@@ -45,5 +45,7 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
         "sandboxes": dict(by_state),
         "live": sum(by_state[s] for s in LIVE_STATES),
         "layers": layers,
+        # what this node may be asked to create (a backend its host cannot run answers BackendUnavailable)
+        "backends": ["container", "microvm", "vm"],
         "images": dict(images),
     }

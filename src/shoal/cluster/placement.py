@@ -1,108 +1,90 @@
-"""Placement for the cluster runtime: node agents' reports in, how many sandboxes each node gets out.
+"""The cluster runtime's side of the scheduler contract (docs/scheduling.md): node agents' reports become
+`shoal.sched.NodeState`s, a create becomes a `shoal.sched.Request`, and the decisions are the scheduler's
+(`place` for one create, `place_many` for a burst). No policy lives here.
 
-A pure function of (request, node states): no I/O, no clock; the randomness comes from the caller's
-`random.Random`. The node's own admission stays the authority: the runtime places what a node refuses
-again, with that node in `avoid`.
-
-Policy (until the scheduler package `shoal.sched` of the scheduling issue replaces it, with the same
-inputs and outputs): a node's room for a request is how many copies its memory commitment limit still
-takes (what its admission checks); a burst is split in proportion to room (spreading), nodes that already
-have the image's layers mounted weigh more (locality, at most LOCALITY_SLACK times their share); one
-create is power-of-two-choices by the same score.
+Each client keeps its own `ClusterView` (no central actor on the per-create path): fresh reports replace
+node states, placements are reserved at once so concurrent creates of one client see each other, and a
+node's refusal is released and the node avoided when placing again.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from shoal.errors import CapacityExceeded
 from shoal.models import SandboxSpec
-
-#: extra weight of a node holding all the image's layers (1.0 = twice the share of an equal cold node)
-LOCALITY_WEIGHT = 1.0
-#: a warm node takes at most this multiple of its room-proportional share of a burst
-LOCALITY_SLACK = 2.0
+from shoal.sched import Cluster, NodeState, Placement, Policy, Request, place, place_many, reserve_plan
 
 Report = Mapping[str, Any]
+#: a node's admission does not limit CPUs (only memory): the view must not either
+_NO_CPU_LIMIT = 1e9
+#: what `pick_node` asks for (work that is not a sandbox of its own: image listing, run_code)
+_TINY = Request(cpus=0.0, memory_mb=0)
 
 
-def room(report: Report, spec: SandboxSpec) -> int:
-    """How many copies of `spec` the node's admission would still take (memory commitment)."""
-    free = int(report.get("memory", {}).get("free_mb", 0))
-    return max(0, free // max(1, int(spec.memory_mb)))
+def node_state(report: Report, policy: Policy) -> NodeState:
+    """A node agent's report (`NodeAgent.state`) as the scheduler's NodeState, limits as the node has them."""
+    mem, cpus = report.get("memory", {}), report.get("cpus", {})
+    total = max(1, int(mem.get("total_mb", 0)))
+    sb = report.get("sandboxes", {})
+    return NodeState.new(
+        str(report["node_id"]), cpus=float(cpus.get("count", 1)), memory_mb=total, policy=policy,
+        memory_overcommit=float(mem.get("limit_mb", 0)) / total, cpu_overcommit=_NO_CPU_LIMIT,
+        committed_mb=int(mem.get("committed_mb", 0)), committed_cpus=float(cpus.get("committed", 0.0)),
+        used_mb=int(mem.get("used_mb", 0)), running=int(sb.get("running", 0)) + int(sb.get("creating", 0)),
+        paused=int(sb.get("paused", 0)), layers=set(report.get("layers") or ()),
+        backends=frozenset(report.get("backends") or ("container",)))
 
 
-def warmth(report: Report, layers: tuple[str, ...]) -> float:
-    """The fraction of the image's layers already mounted on the node."""
-    if not layers:
-        return 0.0
-    have = set(report.get("layers") or ())
-    return sum(1 for d in layers if d in have) / len(layers)
+def request(spec: SandboxSpec, layers: tuple[str, ...] = (), avoid: Iterable[str] = ()) -> Request:
+    """One create of `spec` as the scheduler's Request."""
+    return Request(cpus=float(spec.cpus), memory_mb=int(spec.memory_mb), disk_mb=0, backend=spec.backend,
+                   image=spec.image, layers=tuple(layers), project=spec.project, avoid=frozenset(avoid))
 
 
-def split(spec: SandboxSpec, n: int, reports: Iterable[Report], *, layers: tuple[str, ...] = (),
-          avoid: Iterable[str] = (), rng: random.Random | None = None) -> dict[str, int]:
-    """Node id → copies, for `n` copies of `spec` (fewer in all when the cluster has less room)."""
-    skip = set(avoid)
-    rooms: dict[str, int] = {}
-    weights: dict[str, float] = {}
-    for r in reports:
-        nid = str(r["node_id"])
-        if nid in skip:
-            continue
-        k = room(r, spec)
-        if k <= 0:
-            continue
-        rooms[nid] = k
-        weights[nid] = k * min(1.0 + LOCALITY_WEIGHT * warmth(r, layers), LOCALITY_SLACK)
-    if not rooms or n <= 0:
-        return {}
-    if n == 1:
-        nid = _best_of_two(weights, rng or random.Random())
-        return {nid: 1}
-    if sum(rooms.values()) <= n:
-        return dict(rooms)
-    return _water_fill(n, rooms, weights)
+class ClusterView:
+    """One client's scheduler view of the cluster, fed by node reports."""
 
+    def __init__(self, policy: Policy | None = None, seed: int | None = None) -> None:
+        self.policy = policy or Policy()
+        self.cluster = Cluster((), self.policy, seed=seed)
 
-def pick_one(reports: Iterable[Report], rng: random.Random | None = None) -> str:
-    """Any node for work that is not a sandbox of its own (images, run_code): power of two choices by
-    free memory."""
-    weights = {str(r["node_id"]): float(r.get("memory", {}).get("free_mb", 0)) + 1.0 for r in reports}
-    if not weights:
-        raise ValueError("no nodes")
-    return _best_of_two(weights, rng or random.Random())
+    def update(self, reports: Iterable[Report]) -> None:
+        """Replace every node's state with its fresh report; nodes that did not report are forgotten."""
+        seen = set()
+        for r in reports:
+            self.cluster.upsert(node_state(r, self.policy))
+            seen.add(str(r["node_id"]))
+        for n in list(self.cluster):
+            if n.node_id not in seen:
+                self.cluster.remove(n.node_id)
 
+    def split(self, spec: SandboxSpec, n: int, *, layers: tuple[str, ...] = (),
+              avoid: Iterable[str] = ()) -> dict[str, int]:
+        """Node id → copies for `n` creates of `spec` (fewer in all when the cluster has less room),
+        reserved in the view until the next reports."""
+        req = request(spec, layers, avoid)
+        if n == 1:
+            try:
+                p = place(req, self.cluster)
+            except CapacityExceeded:
+                return {}
+            self.cluster.reserve(p, req)
+            return {p.node_id: 1}
+        plan = place_many(req, n, self.cluster)
+        reserve_plan(self.cluster, plan, req)
+        return dict(plan.counts)
 
-def _best_of_two(weights: dict[str, float], rng: random.Random) -> str:
-    ids = sorted(weights)
-    if len(ids) == 1:
-        return ids[0]
-    a, b = rng.sample(ids, 2)
-    return a if weights[a] >= weights[b] else b
+    def refused(self, node_id: str, spec: SandboxSpec, count: int) -> None:
+        """A node refused `count` of what it was given: stop counting them there."""
+        if node_id in self.cluster:
+            self.cluster.release(node_id, request(spec), count)
 
-
-def _water_fill(n: int, rooms: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
-    """`n` copies in proportion to `weights`, no node over its room (largest remainder)."""
-    counts = dict.fromkeys(rooms, 0)
-    open_ = set(rooms)
-    left = n
-    while left > 0 and open_:
-        total = sum(weights[i] for i in open_)
-        shares = {i: left * weights[i] / total for i in open_}
-        full = [i for i in open_ if counts[i] + shares[i] >= rooms[i]]
-        if full:
-            for i in full:
-                left -= rooms[i] - counts[i]
-                counts[i] = rooms[i]
-                open_.discard(i)
-            continue
-        base = {i: int(shares[i]) for i in open_}
-        for i, k in base.items():
-            counts[i] += k
-        left -= sum(base.values())
-        for i in sorted(open_, key=lambda i: (shares[i] - base[i], i), reverse=True)[:left]:
-            counts[i] += 1
-        left = 0
-    return {i: k for i, k in counts.items() if k > 0}
+    def pick_node(self) -> str | None:
+        """Any node for work that is not a sandbox of its own (power-of-k choices by headroom)."""
+        try:
+            p: Placement = place(_TINY, self.cluster)
+        except CapacityExceeded:
+            return None
+        return p.node_id

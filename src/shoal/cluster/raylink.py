@@ -27,7 +27,7 @@ AGENT_PREFIX = "shoal-node-"
 KV_NAMESPACE = "shoal"
 KV_INDEX_PREFIX = "index/"
 
-_NODE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,31}$")
+_NODE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")  # as SHOAL_NODE_ID
 _lock = threading.Lock()
 log = logging.getLogger(__name__)
 
@@ -91,20 +91,21 @@ def agent_name(node_id: str) -> str:
 
 
 def check_node_id(node_id: str) -> str:
-    """Node ids prefix sandbox IDs and name directories: short, lowercase, no '-'."""
+    """Node ids prefix sandbox IDs and name directories: short, lowercase."""
     if not isinstance(node_id, str) or not _NODE_ID_RE.match(node_id):
-        raise InvalidRequest(f"bad shoal node id {node_id!r}: 1-32 lowercase letters, digits or '_', "
+        raise InvalidRequest(f"bad shoal node id {node_id!r}: 1-32 lowercase letters, digits or '-', "
                              "starting with a letter or digit")
     return node_id
 
 
 def node_id_for(ray_node: dict[str, Any]) -> str:
     """The shoal node id of a Ray node (an entry of `ray.nodes()`): its `shoal-node` label when set (give
-    each machine a stable one, e.g. its hostname), else `r` + the first 10 hex digits of its Ray node ID."""
+    each machine a stable one, e.g. its hostname), else `r` + the first 8 hex digits of its Ray node ID
+    (short: sandbox IDs and Unix socket paths carry it)."""
     label = (ray_node.get("Labels") or {}).get(NODE_LABEL)
     if label:
-        return check_node_id(str(label).lower().replace("-", "_").replace(".", "_"))
-    return "r" + str(ray_node["NodeID"])[:10]
+        return check_node_id(re.sub(r"[^a-z0-9-]", "-", str(label).lower())[:32])
+    return "r" + str(ray_node["NodeID"])[:8]
 
 
 def offers_shoal(ray_node: dict[str, Any], resource: str = RESOURCE) -> bool:

@@ -142,6 +142,7 @@ class ClusterTransport(Transport):
         self._ray_nodes: tuple[float, set[str]] | None = None
         self._layers: dict[str, tuple[str, ...]] = {}
         self._rng = random.Random(seed)
+        self._view = placement.ClusterView(seed=seed)
         self._started = False
 
     # ---- plumbing -------------------------------------------------------------------------------
@@ -212,6 +213,9 @@ class ClusterTransport(Transport):
             raise NodeUnavailable(f"node agent {node_id} did not answer within {timeout:g}s", node=node_id) from None
         except ray.exceptions.RayTaskError as e:
             raise SandboxError(f"node agent {node_id} failed: {e}") from None
+        except ray.exceptions.ActorUnschedulableError:
+            # its node-affinity target is gone: Ray has declared the node dead
+            raise SandboxLost(f"node {node_id} has left the cluster: its sandboxes are lost", node=node_id) from None
         except ray.exceptions.RayError as e:
             if await self._node_gone_by_actor(node_id):
                 raise SandboxLost(f"node {node_id} has left the cluster: its sandboxes are lost", node=node_id) \
@@ -234,12 +238,27 @@ class ClusterTransport(Transport):
         return False
 
     async def _fate(self, node_id: str, exc: BaseException, op: str) -> ShoalError:
-        """What a failed call to a node means: SandboxLost when its Ray node is gone, else NodeUnavailable."""
-        if await self._node_gone_by_actor(node_id):
-            return SandboxLost(f"node {node_id} has left the cluster: its sandboxes are lost; close them to "
-                               "forget them and create new ones", node=node_id)
-        return NodeUnavailable(f"node agent {node_id} failed during {op} ({exc}); it is being restarted, retry",
-                               node=node_id)
+        """What a failed call to a node means, once known: SandboxLost when its Ray node is gone;
+        NodeUnavailable (retryable) once its agent answers again after a restart, or when the retry window
+        passes without either."""
+        deadline = time.monotonic() + self.retry_window_s
+        attempt = 0
+        while True:
+            attempt += 1
+            if await self._node_gone_by_actor(node_id):
+                return SandboxLost(f"node {node_id} has left the cluster: its sandboxes are lost; close them to "
+                                   "forget them and create new ones", node=node_id)
+            try:
+                await self._agent(node_id, fresh=True)  # Ray answers once the agent is back (or gone for good)
+                return NodeUnavailable(f"node agent {node_id} failed during {op} ({exc}) and was restarted: "
+                                       "retry", node=node_id)
+            except SandboxLost as e:
+                return e
+            except NodeUnavailable:
+                if time.monotonic() > deadline:
+                    return NodeUnavailable(f"node agent {node_id} failed during {op} ({exc}) and has not come "
+                                           "back; retry later", node=node_id)
+                await asyncio.sleep(min(1.0, 0.05 * 2 ** min(attempt, 5)) * self._rng.uniform(0.8, 1.2))
 
     async def _on_node(self, node_id: str, op: str, fn: Any) -> Any:
         """Run `fn(http)` against a node's endpoint, riding out an agent restart (see IDEMPOTENT)."""
@@ -262,13 +281,12 @@ class ClusterTransport(Transport):
                 return await fn(a.http)
             except TransportError as e:
                 sent = e.details.get("sent", True)
-                fate = await self._fate(node_id, e, op)
+                fate = await self._fate(node_id, e, op)  # waits until the node is back or known to be gone
                 if isinstance(fate, SandboxLost):
                     raise fate from None
                 if (sent and op not in IDEMPOTENT) or time.monotonic() > deadline:
                     raise fate from None
-                fresh = True  # ask Ray where the agent is now (it waits for the restart)
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 5)) * self._rng.uniform(0.8, 1.2))
+                fresh = False  # _fate looked the agent up again
 
     async def _on_sandbox(self, sandbox_id: str, op: str, fn: Any) -> Any:
         check_sandbox_id(sandbox_id)
@@ -290,6 +308,7 @@ class ClusterTransport(Transport):
             got = await asyncio.gather(*(self._state_of(nid) for nid in nids))
             states = [s for s in got if s is not None]
             self._states = (time.monotonic(), states)
+            self._view.update(states)
             return states
 
     async def _state_of(self, node_id: str) -> dict[str, Any] | None:
@@ -319,9 +338,9 @@ class ClusterTransport(Transport):
         return layers
 
     async def _plan(self, spec: SandboxSpec, n: int, avoid: set[str]) -> dict[str, int]:
-        states = await self.states()
+        await self.states()
         layers = await self._image_layers(spec.image)
-        return placement.split(spec, n, states, layers=layers, avoid=avoid, rng=self._rng)
+        return self._view.split(spec, n, layers=layers, avoid=avoid)
 
     # ---- sandboxes ------------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
@@ -366,14 +385,18 @@ class ClusterTransport(Transport):
             results = await asyncio.gather(*(self._create_on(nid, spec, k) for nid, k in plan.items()))
             todo = 0
             for nid, items in zip(plan, results, strict=True):
+                refused = 0
                 for it in items:
                     if isinstance(it, (CapacityExceeded, NodeUnavailable, SandboxLost)):
                         # the node's admission (or its absence) moves this create elsewhere
                         avoid.add(nid)
                         last_refusal = it if isinstance(it, CapacityExceeded) else last_refusal
-                        todo += 1
+                        refused += 1
                     else:
                         out.append(it)
+                if refused:
+                    self._view.refused(nid, spec, refused)
+                    todo += refused
             if todo:
                 self._states = None  # what we thought we knew was wrong somewhere
         return out
@@ -490,11 +513,12 @@ class ClusterTransport(Transport):
 
     # ---- images and fncall: any node (they share the store) ------------------------------------------
     async def _any_node(self) -> str:
-        states = await self.states()
-        if not states:
+        await self.states()
+        nid = self._view.pick_node()
+        if nid is None:
             raise NodeUnavailable(f"no node agent answers in the cluster at {self.address}: run "
                                   "`shoal cluster up --address ...`")
-        return str(placement.pick_one(states, rng=self._rng))
+        return nid
 
     async def images(self) -> list[dict[str, Any]]:
         nid = await self._any_node()

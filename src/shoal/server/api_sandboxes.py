@@ -16,7 +16,7 @@ from pydantic import StringConstraints
 from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
 from shoal.models import SandboxInfo, SandboxSpec
 from shoal.server.codec import b64decode_field, encode_exec_result
-from shoal.server.deps import Namespace, ServerState, authorized, owned_record, state_of
+from shoal.server.deps import Namespace, ServerState, authorized, owned, state_of
 from shoal.server.responses import SANDBOX_ERRORS, errors
 from shoal.server.schemas import (
     BatchIn,
@@ -174,7 +174,7 @@ async def list_sandboxes(request: Request, who: Who,
 async def get_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
     """One sandbox's state, spec and expiry."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     return Namespace(who).show_info(await st.node.get(sandbox_id))
 
 
@@ -182,7 +182,7 @@ async def get_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[s
 async def close_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> Response:
     """Destroy the sandbox and everything it had on the host."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     await st.node.close(sandbox_id)
     st.quotas.forget(sandbox_id)
     return Response(status_code=204)
@@ -193,7 +193,7 @@ async def close_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> Resp
 async def exec_command(sandbox_id: SidPath, body: ExecIn, request: Request, who: Who) -> dict[str, Any]:
     """Run a command; the answer carries exit code, output, duration and whether it timed out."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     stdin = b64decode_field(body.stdin, "stdin")
     t0 = time.perf_counter()
     r = await st.node.exec(sandbox_id, body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env,
@@ -212,7 +212,7 @@ async def read_file(sandbox_id: SidPath, request: Request, who: Who,
                                                description="absolute, or relative to the workdir")]) -> Response:
     """A file's bytes (application/octet-stream)."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     data = await st.node.read_file(sandbox_id, path)
     return Response(content=data, media_type="application/octet-stream")
 
@@ -226,7 +226,7 @@ async def write_file(sandbox_id: SidPath, request: Request, who: Who,
                      ) -> Response:
     """Write the request body to `path` atomically (parent directories are created)."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     data = await request.body()
     await st.node.write_file(sandbox_id, path, data, int(mode, 8))
     return Response(status_code=204)
@@ -238,7 +238,7 @@ async def list_dir(sandbox_id: SidPath, request: Request, who: Who,
                    ) -> dict[str, Any]:
     """A directory's entries, sorted by name."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     entries = await st.node.list_dir(sandbox_id, path)
     return {"entries": [e.__dict__ for e in entries]}
 
@@ -250,7 +250,7 @@ async def list_dir(sandbox_id: SidPath, request: Request, who: Who,
 async def open_shell(sandbox_id: SidPath, body: ShellOpenIn, request: Request, who: Who) -> dict[str, Any]:
     """Start a bash session whose cwd, environment and functions persist between commands."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     return {"shell_id": await st.node.shell_open(sandbox_id, cwd=body.cwd, env=body.env, user=body.user)}
 
 
@@ -260,7 +260,7 @@ async def run_in_shell(sandbox_id: SidPath, shell_id: ShellId, body: ShellRunIn,
                     who: Who) -> dict[str, Any]:
     """Run one command in the session (a timeout interrupts the command; the shell lives on)."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     t0 = time.perf_counter()
     r = await st.node.shell_run(sandbox_id, shell_id, body.cmd, timeout=body.timeout, max_output=body.max_output)
     st.metrics.exec_seconds.labels("shell").observe(time.perf_counter() - t0)
@@ -272,7 +272,7 @@ async def run_in_shell(sandbox_id: SidPath, shell_id: ShellId, body: ShellRunIn,
 async def close_shell(sandbox_id: SidPath, shell_id: ShellId, request: Request, who: Who) -> Response:
     """End the session and what still runs in it."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     await st.node.shell_close(sandbox_id, shell_id)
     return Response(status_code=204)
 
@@ -281,7 +281,7 @@ async def close_shell(sandbox_id: SidPath, shell_id: ShellId, request: Request, 
 async def pause_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
     """Freeze the sandbox (any later request resumes it)."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     await st.node.pause(sandbox_id)
     return Namespace(who).show_info(await st.node.get(sandbox_id))
 
@@ -290,7 +290,7 @@ async def pause_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict
 async def resume_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dict[str, Any]:
     """Thaw a paused sandbox."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     await st.node.resume(sandbox_id)
     return Namespace(who).show_info(await st.node.get(sandbox_id))
 
@@ -301,7 +301,7 @@ async def resume_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dic
 async def snapshot_sandbox(sandbox_id: SidPath, body: SnapshotIn, request: Request, who: Who) -> dict[str, Any]:
     """Pack the sandbox's writable layer into a new image `name` (of the caller's project)."""
     st = state_of(request)
-    owned_record(st, who, sandbox_id)
+    await owned(st, who, sandbox_id)
     ns = Namespace(who)
     name = ns.for_write(body.name)
     async with store_budget(st.node.store, who, f"a snapshot of {sandbox_id}") as budget:
@@ -314,7 +314,7 @@ async def snapshot_sandbox(sandbox_id: SidPath, body: SnapshotIn, request: Reque
 async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who: Who) -> dict[str, Any]:
     """`n` independent children starting from this sandbox's current files (per-item errors)."""
     st = state_of(request)
-    rec = owned_record(st, who, sandbox_id)
+    rec = await owned(st, who, sandbox_id)
     ns = Namespace(who)
     opts = dict(body.options)
     if "store_budget" in opts:

@@ -27,7 +27,7 @@ from pydantic import Field, ValidationError
 
 from shoal.errors import InvalidRequest, ShoalError, Timeout
 from shoal.server.codec import STDERR_TAG, STDOUT_TAG, encode_exec_result
-from shoal.server.deps import owned_record, state_of
+from shoal.server.deps import owned, state_of
 from shoal.server.schemas import _In
 
 log = logging.getLogger("shoal.server")
@@ -74,13 +74,12 @@ async def _start(ws: WebSocket, st: Any, sandbox_id: str, who: Any) -> Any:
         start = StreamStart.model_validate_json(msg["text"])
     except ValidationError as e:
         raise validation_error(e) from None
-    owned_record(st, who, sandbox_id)
+    rec = await owned(st, who, sandbox_id)
     if start.shell is not None:
         if not isinstance(start.cmd, str):
             raise InvalidRequest("shell commands are strings", errors=[{"field": "body.cmd", "message": "string"}])
         if start.tty or start.stdin or start.cwd or start.env or start.user:
             raise InvalidRequest("a shell command takes only cmd, timeout and max_output")
-        rec = st.node.record(sandbox_id)
         cap = rec.spec.get("max_output_bytes", 1 << 20) if start.max_output is None else start.max_output
         c = await st.node.client(sandbox_id)
         return await c.shell_run_stream(start.shell, start.cmd, timeout=start.timeout, max_output=cap)

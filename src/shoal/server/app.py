@@ -184,13 +184,16 @@ class RequestMetrics:
 
 
 def create_app(node: Node | None = None, settings: ServerSettings | None = None, *,
-               tokens: TokenStore | None = None, manage_node: bool = True) -> FastAPI:
-    """Build the API app around `node` (started and stopped with the app when `manage_node`)."""
+               tokens: TokenStore | None = None, manage_node: bool = True,
+               quotas: QuotaTracker | None = None) -> FastAPI:
+    """Build the API app around `node` (started and stopped with the app when `manage_node`). `node` may
+    also be a cluster gateway's front (shoal.cluster.gateway), with its cluster-wide `quotas`."""
     settings = settings or ServerSettings()
     node = node or Node()
     tokens = tokens or TokenStore(node.paths.home)
     limiter = TokenLimiter(settings.max_inflight_per_token, settings.max_queued_per_token)
-    state = ServerState(node=node, settings=settings, tokens=tokens, quotas=QuotaTracker(node.paths.sandboxes),
+    quotas = quotas or QuotaTracker(node.paths.sandboxes)
+    state = ServerState(node=node, settings=settings, tokens=tokens, quotas=quotas,
                         limiter=limiter, metrics=Metrics(node, limiter),
                         create_sem=asyncio.Semaphore(max(1, settings.create_concurrency)))
 

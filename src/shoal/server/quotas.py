@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shoal.errors import QuotaExceeded
@@ -52,6 +53,8 @@ class Reservation:
         self.n -= 1
         self.tracker._pending_add(self.project, -1, self.cpus, self.memory_mb)
         self.tracker._known[sandbox_id] = (self.project, self.cpus, self.memory_mb)
+        if self.tracker.source is not None:
+            self.tracker._committed_at[sandbox_id] = time.monotonic()
 
     def release(self) -> None:
         """Give back whatever was reserved and not committed."""
@@ -60,20 +63,40 @@ class Reservation:
             self.n = 0
 
 
+#: a snapshot of what every sandbox holds, for trackers not backed by one node's records: when it was
+#: taken (time.monotonic()) and (id, project, cpus, memory_mb) per live sandbox
+UsageSnapshot = tuple[float, Iterable[tuple[str, str, float, int]]]
+
+
 class QuotaTracker:
-    """Reserve, commit and release quota for the projects of one node."""
+    """Reserve, commit and release quota for the projects of one node (its records), or of a whole
+    cluster (`source`: the latest UsageSnapshot of every node, see shoal.cluster.gateway)."""
 
     def __init__(self, sandboxes_dir: os.PathLike[str] | str, refresh_s: float = 5.0,
-                 min_forced_refresh_s: float = 0.5) -> None:
+                 min_forced_refresh_s: float = 0.5, source: Callable[[], UsageSnapshot] | None = None) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.refresh_s = refresh_s
         self.min_forced_refresh_s = min_forced_refresh_s
+        self.source = source
         self._known: dict[str, tuple[str, float, int]] = {}
+        #: when each sandbox committed here was committed: a snapshot taken before that does not know it yet
+        self._committed_at: dict[str, float] = {}
         self._pending: dict[str, Usage] = {}
         self._refreshed = 0.0
 
     def refresh(self) -> None:
-        """Rebuild the sandbox map from the node's records."""
+        """Rebuild the sandbox map from the node's records (or the source's latest snapshot)."""
+        if self.source is not None:
+            taken_at, entries = self.source()
+            known = {sid: (project, float(cpus), int(mem)) for sid, project, cpus, mem in entries}
+            for sid, at in list(self._committed_at.items()):
+                if at < taken_at:
+                    del self._committed_at[sid]
+                elif sid in self._known:
+                    known.setdefault(sid, self._known[sid])  # newer than the snapshot
+            self._known = known
+            self._refreshed = time.monotonic()
+            return
         me = os.getpid()
         known = {}
         for rec in list_records(self.sandboxes_dir):
@@ -104,6 +127,7 @@ class QuotaTracker:
     def forget(self, sandbox_id: str) -> None:
         """A sandbox was closed."""
         self._known.pop(sandbox_id, None)
+        self._committed_at.pop(sandbox_id, None)
 
     def reserve(self, who: Principal, n: int, cpus: float, memory_mb: int, *, partial: bool = False) -> Reservation:
         """Reserve room for `n` sandboxes, or raise QuotaExceeded with the numbers.

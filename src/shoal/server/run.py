@@ -49,16 +49,28 @@ def uvicorn_config(app: object, settings: ServerSettings) -> uvicorn.Config:
 
 
 def serve(settings: ServerSettings | None = None, node: Node | None = None,
-          say: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT/SIGTERM; sandboxes keep running after the server stops (crash-only)."""
+          say: Callable[[str], None] = print, cluster: str | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; sandboxes keep running after the server stops (crash-only). With
+    `cluster` (ray://ADDR) the server is a gateway to every node agent of that Ray cluster."""
     from shoal.server.app import create_app
 
     settings = settings or ServerSettings()
-    node = node or Node()
-    tokens = TokenStore(node.paths.home)
-    plan_auth(settings, tokens, say)
-    app = create_app(node, settings, tokens=tokens)
-    say(f"shoal API on http://{settings.host}:{settings.port} (node {node.config.node_id}, "
-        f"SHOAL_HOME={node.paths.home}); OpenAPI at /openapi.json")
+    if cluster:
+        from shoal.cluster.gateway import make_gateway_app
+        from shoal.config import Paths
+
+        paths = Paths.from_env()
+        tokens = TokenStore(paths.home)
+        plan_auth(settings, tokens, say)
+        app = make_gateway_app(cluster, settings)
+        say(f"shoal API on http://{settings.host}:{settings.port}: gateway to the cluster {cluster} "
+            f"(tokens in {tokens.path}, images from {paths.store}); OpenAPI at /openapi.json")
+    else:
+        node = node or Node()
+        tokens = TokenStore(node.paths.home)
+        plan_auth(settings, tokens, say)
+        app = create_app(node, settings, tokens=tokens)
+        say(f"shoal API on http://{settings.host}:{settings.port} (node {node.config.node_id}, "
+            f"SHOAL_HOME={node.paths.home}); OpenAPI at /openapi.json")
     server = uvicorn.Server(uvicorn_config(app, settings))
     server.run()

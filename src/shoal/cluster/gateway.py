@@ -1,0 +1,270 @@
+"""`shoal serve --cluster ray://ADDR`: the HTTP API over a whole Ray cluster.
+
+The API app is the same as `shoal serve`'s; in place of an embedded Node it gets a `ClusterFront`, which
+offers what the routes use of a node and carries each call to the sandbox's node through a
+`ClusterTransport` (placement, routing by ID, failure handling). Tokens, projects and quotas are the
+gateway's: tokens live in its SHOAL_HOME, quotas count every sandbox of the cluster, from a usage snapshot
+of all nodes refreshed in the background. Nothing lives only in the gateway's memory: a restarted
+gateway rebuilds the snapshot (and its cache of who owns which sandbox) from the nodes before serving.
+
+The gateway reads images from the shared store (`SHOAL_STORE`): run it where the store is mounted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.cluster.transport import ClusterTransport
+from shoal.config import Paths
+from shoal.errors import SandboxNotFound, ShoalError
+from shoal.images.store import ImageStore
+from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec
+from shoal.node.records import check_sandbox_id, node_of
+
+log = logging.getLogger(__name__)
+#: seconds between usage snapshots of every node (cluster-wide quotas)
+USAGE_EVERY_S = 2.0
+#: sandbox owners remembered (project, spec) without asking their node again
+_OWNER_CACHE = 200_000
+
+
+@dataclass
+class SandboxOwner:
+    """What the routes read of a sandbox's record: its project and spec."""
+
+    id: str
+    project: str
+    spec: dict[str, Any] = field(default_factory=dict)
+    state: str = "running"
+
+
+@dataclass
+class _Config:
+    node_id: str = "gateway"
+
+
+class _ShellStreams:
+    """What `api_stream` asks of `node.client(id)`: shell commands streamed from the owner node."""
+
+    def __init__(self, transport: ClusterTransport, sandbox_id: str) -> None:
+        self.t, self.sid = transport, sandbox_id
+
+    async def shell_run_stream(self, shell_id: str, cmd: str, *, timeout: float | None = None,
+                               max_output: int | None = None) -> Any:
+        return await self.t.shell_stream(self.sid, shell_id, cmd, timeout=timeout, max_output=max_output)
+
+
+class ClusterFront:
+    """The node side of the API app, for a whole cluster (see the module doc)."""
+
+    def __init__(self, url: str, *, home: str | None = None, store: str | None = None,
+                 usage_every_s: float = USAGE_EVERY_S) -> None:
+        self.transport = ClusterTransport(url)
+        self.url = url
+        self.paths = Paths.from_env(home, store)
+        self.config = _Config()
+        self.store = ImageStore(self.paths.store)
+        self.usage_every_s = usage_every_s
+        self._owners: OrderedDict[str, SandboxOwner] = OrderedDict()
+        self._usage: tuple[float, list[tuple[str, str, float, int]]] = (0.0, [])
+        self._usage_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self, reap: bool = True) -> ClusterFront:
+        """Connect to the cluster and take the first usage snapshot (before any request is served)."""
+        await self.transport.start()
+        await self.refresh_usage()
+        self._usage_task = asyncio.create_task(self._usage_loop(), name="shoal-gateway-usage")
+        return self
+
+    async def stop(self) -> None:
+        """Stop the background snapshot; sandboxes keep running on their nodes."""
+        if self._usage_task is not None:
+            self._usage_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._usage_task
+            self._usage_task = None
+        await self.transport.aclose()
+
+    # ---- cluster-wide usage (quotas) ------------------------------------------------------------
+    def usage_snapshot(self) -> tuple[float, list[tuple[str, str, float, int]]]:
+        """The latest (taken_at, [(id, project, cpus, memory_mb)]) of every live sandbox of the cluster."""
+        return self._usage
+
+    async def refresh_usage(self) -> None:
+        """Ask every node what its sandboxes hold (one Ray call per node, concurrently)."""
+        taken = time.monotonic()
+        states = await self.transport.states(max_age_s=0.0)
+        nids = [s["node_id"] for s in states]
+        got = await asyncio.gather(*(self._usage_of(nid) for nid in nids))
+        entries = []
+        for rows in got:
+            for sid, project, cpus, mem, state, spec in rows:
+                if state in ("stopped", "stopping"):
+                    continue
+                entries.append((sid, project, cpus, mem))
+                self._remember(SandboxOwner(sid, project, spec, state))
+        self._usage = (taken, entries)
+
+    async def _usage_of(self, node_id: str) -> list[tuple[Any, ...]]:
+        try:
+            a = await self.transport._agent(node_id)
+            return list(await self.transport._ray(a.actor.usage.remote(), node_id, timeout=30.0))
+        except ShoalError as e:
+            log.warning("no usage from node %s this round: %s", node_id, e)
+            return []
+
+    async def _usage_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.usage_every_s)
+            with contextlib.suppress(Exception):
+                await self.refresh_usage()
+
+    # ---- owners (project scoping) ---------------------------------------------------------------
+    def _remember(self, owner: SandboxOwner) -> None:
+        self._owners[owner.id] = owner
+        self._owners.move_to_end(owner.id)
+        while len(self._owners) > _OWNER_CACHE:
+            self._owners.popitem(last=False)
+
+    def _remember_info(self, info: SandboxInfo) -> None:
+        spec = dict(info.spec or {})
+        self._remember(SandboxOwner(info.id, str(spec.get("project", "default")), spec, info.state))
+
+    def record(self, sandbox_id: str) -> SandboxOwner:
+        """The owner of a sandbox this gateway knows of (SandboxNotFound otherwise: use record_async)."""
+        check_sandbox_id(sandbox_id)
+        own = self._owners.get(sandbox_id)
+        if own is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return own
+
+    async def record_async(self, sandbox_id: str) -> SandboxOwner:
+        """The owner of a sandbox, asking its node when this gateway has not seen it yet."""
+        check_sandbox_id(sandbox_id)
+        own = self._owners.get(sandbox_id)
+        if own is not None:
+            return own
+        info = await self.transport.get(sandbox_id)
+        self._remember_info(info)
+        return self._owners[sandbox_id]
+
+    # ---- what the routes call -------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        """Place and create one sandbox somewhere in the cluster."""
+        info = await self.transport.create(spec)
+        self._remember_info(info)
+        return info
+
+    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
+        """A burst split over the nodes."""
+        items = await self.transport.create_many(spec, n)
+        for it in items:
+            if isinstance(it, SandboxInfo):
+                self._remember_info(it)
+        return items
+
+    async def list(self, project: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """Every sandbox of the cluster (of a project)."""
+        infos = await self.transport.list_all(labels=labels, project=project)
+        for i in infos:
+            if i.state != "lost":
+                self._remember_info(i)
+        return infos
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        """One sandbox (a lost one as state `lost`)."""
+        return await self.transport.get(sandbox_id)
+
+    async def close(self, sandbox_id: str) -> None:
+        """Destroy a sandbox on its node."""
+        await self.transport.close(sandbox_id)
+        self._owners.pop(sandbox_id, None)
+
+    async def exec(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ExecResult:
+        """Run a command on the sandbox's node."""
+        return await self.transport.exec(sandbox_id, cmd, **kw)
+
+    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> Any:
+        """Stream a command from the sandbox's node."""
+        return await self.transport.stream(sandbox_id, cmd, **kw)
+
+    async def client(self, sandbox_id: str) -> _ShellStreams:
+        """Shell streams of a sandbox."""
+        return _ShellStreams(self.transport, sandbox_id)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """Read a file in the sandbox."""
+        return await self.transport.read_file(sandbox_id, path)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write a file in the sandbox."""
+        await self.transport.write_file(sandbox_id, path, data, mode)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
+        """List a directory in the sandbox."""
+        return await self.transport.list_dir(sandbox_id, path)
+
+    async def shell_open(self, sandbox_id: str, **kw: Any) -> str:
+        """Open a persistent shell."""
+        return await self.transport.shell_open(sandbox_id, **kw)
+
+    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, **kw: Any) -> ExecResult:
+        """Run a command in a shell."""
+        return await self.transport.shell_run(sandbox_id, shell_id, cmd, **kw)
+
+    async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
+        """Close a shell."""
+        await self.transport.shell_close(sandbox_id, shell_id)
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Pause the sandbox."""
+        await self.transport.pause(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Resume the sandbox."""
+        await self.transport.resume(sandbox_id)
+
+    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
+        """Snapshot the sandbox into the shared store."""
+        return await self.transport.snapshot(sandbox_id, name)
+
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+        """Children of the sandbox (on its node)."""
+        items = await self.transport.fork(sandbox_id, n, **kw)
+        for it in items:
+            if isinstance(it, SandboxInfo):
+                self._remember_info(it)
+        return items
+
+    async def run_code(self, code: str, **kw: Any) -> Any:
+        """A snippet on some node's fncall pool."""
+        return await self.transport.run_code(code, **kw)
+
+    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+        """Snippets on some node's fncall pool."""
+        return await self.transport.run_code_many(items, **kw)
+
+    def node_of(self, sandbox_id: str) -> str:
+        """The node that holds a sandbox (from its ID)."""
+        return node_of(sandbox_id)
+
+
+def make_gateway_app(url: str, settings: Any = None, *, home: str | None = None, store: str | None = None) -> Any:
+    """The API app backed by the cluster at `url` (ray://ADDR), with cluster-wide quotas."""
+    from shoal.server.app import create_app
+    from shoal.server.quotas import QuotaTracker
+    from shoal.server.tokens import TokenStore
+
+    front = ClusterFront(url, home=home, store=store)
+    quotas = QuotaTracker(front.paths.sandboxes, source=front.usage_snapshot, refresh_s=front.usage_every_s,
+                          min_forced_refresh_s=0.0)
+    return create_app(front, settings, tokens=TokenStore(front.paths.home), quotas=quotas)  # type: ignore[arg-type]
+
+
