@@ -73,6 +73,7 @@ class StoreHealth:
         self._inflight: threading.Thread | None = None
         self._result: BaseException | None = None
         self._done = threading.Event()
+        self._box: dict[str, BaseException | None] = {"err": None}
         self._last_ms = 0.0
         self._started = 0.0
 
@@ -81,31 +82,34 @@ class StoreHealth:
                                 "check its mount and servers (`shoal store check`)", store_error=what)
 
     def check(self) -> float:
-        """Milliseconds of the last probe; StoreUnavailable when the store does not answer within the bound."""
+        """Milliseconds of the last probe; StoreUnavailable when the store does not answer within the bound.
+        Concurrent callers share one probe in flight (a burst of creates waits for the same answer)."""
         now = time.monotonic()
         with self._lock:
             if now < self._ok_until:
                 return self._last_ms
             th = self._inflight
             if th is not None and th.is_alive():
-                # an earlier probe is still blocked inside the filesystem: do not stack another
-                raise self._why(f"has not answered a probe for {now - self._started:.0f} s")
-            self._done = threading.Event()
-            done = self._done
-            self._started = now
-            box: dict[str, BaseException | None] = {"err": None}
+                if now - self._started >= self.timeout_s:
+                    # an earlier probe is still blocked inside the filesystem: do not stack another
+                    raise self._why(f"has not answered a probe for {now - self._started:.0f} s")
+                done, box, started = self._done, self._box, self._started  # join the probe in flight
+            else:
+                self._done = done = threading.Event()
+                self._box = box = {"err": None}
+                self._started = started = now
 
-            def run() -> None:
-                try:
-                    _probe_once(self.root)
-                except BaseException as e:  # reported to the waiting caller
-                    box["err"] = e
-                done.set()
+                def run() -> None:
+                    try:
+                        _probe_once(self.root)
+                    except BaseException as e:  # reported to the waiting callers
+                        box["err"] = e
+                    done.set()
 
-            th = threading.Thread(target=run, name="shoal-store-probe", daemon=True)
-            self._inflight = th
-            th.start()
-        if not done.wait(self.timeout_s):
+                th = threading.Thread(target=run, name="shoal-store-probe", daemon=True)
+                self._inflight = th
+                th.start()
+        if not done.wait(max(0.0, started + self.timeout_s - now)):
             raise self._why(f"did not answer within {self.timeout_s:g} s")
         err = box["err"]
         if err is not None:
@@ -114,7 +118,7 @@ class StoreHealth:
             if isinstance(err, OSError):
                 raise self._why(f"failed a probe ({err.strerror or err})")
             raise self._why(f"failed a probe ({type(err).__name__})")
-        ms = (time.monotonic() - now) * 1000
+        ms = (time.monotonic() - started) * 1000
         with self._lock:
             self._last_ms = ms
             self._ok_until = time.monotonic() + self.ttl_s
