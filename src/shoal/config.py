@@ -404,6 +404,8 @@ class Settings:
                                        "(seconds)", number(0, lo_open=True))
     lease_ttl_s: float = setting(900.0, "images", "a lease not renewed for this long belongs to a dead node: gc "
                                  "ignores it (seconds)", number(0, lo_open=True))
+    layer_cache_mb: int = setting(0, "images", "node-local cache of hot layers copied from the store, in MiB "
+                                  "(0: off; layers are read on demand from the store)", integer(0))
     store_probe_timeout_s: float = setting(3.0, "images", "creates fail with store_unavailable when the store does "
                                            "not answer a probe within this (seconds)", number(0, lo_open=True))
     # ---- rl

@@ -47,7 +47,18 @@ def busybox_image(store: ImageStore, ref: str, tmp: Path, filler_mib: int = 16) 
     layer = store.add_layer_from_dir(tree, {"type": "test", "desc": ref})
     shutil.rmtree(tree, ignore_errors=True)
     cfg = ImageConfig(env={"PATH": "/bin"}, workdir="/", user="root")
+    drop_file_cache(layer.path)  # as on another node: nothing of the layer in this host's page cache
     return store.put_image(ref, [layer.digest], cfg)
+
+
+def drop_file_cache(path: Path) -> None:
+    """Evict a file's clean pages from this host's page cache (they were cached when it was written)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 @asynccontextmanager

@@ -43,6 +43,8 @@ def _flip(path: Path, offset: int, n: int = 16) -> None:
 def _assert_nothing_mounted(node: object, img: Image) -> None:
     lm: LayerMounts = node.layer_mounts  # type: ignore[attr-defined]
     assert img.layers[0].hex not in lm.mounted(), "a corrupt layer must never be mounted"
+    assert not (lm.root / f"{img.layers[0].hex}.users").exists(), "a failed mount leaves no trace"
+    lm.reconcile(set())  # (an empty users dir left behind made this raise IsADirectoryError)
     assert not loops_backed_by(str(img.layers[0].path))
     assert not list_records(node.paths.sandboxes)  # type: ignore[attr-defined]
 

@@ -312,9 +312,9 @@ def _wait_chunkservers(c: MooseFsCluster, want: int, timeout: float = 30.0) -> N
 def mount(c: MooseFsCluster) -> None:
     """FUSE-mount the cluster at its mountpoint (via the host's veth into the master's namespace)."""
     mp = Path(c.mountpoint)
-    mp.mkdir(parents=True, exist_ok=True)
     if is_mounted(mp):
-        return
+        return  # (a stat of it could fail while the master restarts)
+    mp.mkdir(parents=True, exist_ok=True)
     _run(["mfsmount", str(mp), "-H", c.master_ip, "-P", str(MASTER_CLIENT_PORT),
           # bounded retries: a read while the chunkservers are gone fails after a few seconds, not minutes
           "-o", f"mfsioretries={c.io_retries}", "-o", f"mfstimeout={c.io_timeout_s}",

@@ -39,6 +39,7 @@ from shoal.fsutil import atomic_write
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
 from shoal.images import leases
+from shoal.images.cache import LayerCache
 from shoal.images.integrity import LayerVerifier
 from shoal.images.store import Layer
 
@@ -77,6 +78,8 @@ class LayerMounts:
         self.lease_key = lease_key(self.root)
         #: remembers which layer files this node has hashed (checked before a layer's first mount)
         self.verifier = LayerVerifier(paths.home / "verified")
+        #: node-local copies of hot layers (off unless SHOAL_LAYER_CACHE_MB > 0)
+        self.cache = LayerCache(paths.home / "layer-cache")
 
     def mountpoint(self, layer_hex: str) -> Path:
         """Where a layer is (or would be) mounted."""
@@ -111,7 +114,14 @@ class LayerMounts:
             users.mkdir(exist_ok=True)
             if not syscalls.is_mountpoint(str(mp)):
                 mp.mkdir(exist_ok=True)
-                self._check_and_mount(layer, mp)
+                try:
+                    self._check_and_mount(layer, mp)
+                except BaseException:
+                    # nothing mounted: leave no trace (an empty users dir would look like a mounted layer)
+                    for d in (mp, users):
+                        with contextlib.suppress(OSError):
+                            d.rmdir()
+                    raise
                 self._take_lease(layer, mp)
             elif not (self.root / f"{layer.hex}.lease").exists():
                 self._take_lease(layer, mp)  # mounted by an older shoal, before leases existed
@@ -120,15 +130,22 @@ class LayerMounts:
 
     def _check_and_mount(self, layer: Layer, mp: Path) -> None:
         """Verify the layer (first mount on this node), then mount it; typed errors without host paths."""
+        src = layer.path
         try:
-            self.verifier.check(layer.digest, layer.path, layer.size)
+            if self.cache.enabled:
+                local, copied = self.cache.get(layer.digest, layer.path, layer.size, self._mounted_hexes())
+                if local is not None:
+                    src = local
+                    if copied:  # hashed while copied: that was the check
+                        self.verifier.remember(layer.digest, local)
+            self.verifier.check(layer.digest, src, layer.size)
         except OSError as e:
             raise StoreUnavailable(f"cannot read layer {layer.digest} from the layer store "
                                    f"({errno.errorcode.get(e.errno or 0, 'error')}: {e.strerror}): "
                                    "check that SHOAL_STORE is mounted and its servers are up "
                                    "(`shoal store check`)") from None
         try:
-            _mount_erofs(layer.path, mp, self.mode, self.directio)
+            _mount_erofs(src, mp, self.mode, self.directio)
         except OSError as e:
             code = errno.errorcode.get(e.errno or 0, "error")
             if e.errno in _UNREACHABLE_ERRNOS:
@@ -140,6 +157,10 @@ class LayerMounts:
                                    "its file is damaged; rebuild or re-import the images that use it "
                                    "(`shoal image verify` lists them)") from None
             raise
+
+    def _mounted_hexes(self) -> set[str]:
+        return {p.name for p in self.root.iterdir()
+                if len(p.name) == 64 and syscalls.is_mountpoint(str(p))}
 
     def _take_lease(self, layer: Layer, mp: Path) -> None:
         # best effort: a store we cannot write to (read-only share) still mounts fine
@@ -187,8 +208,9 @@ class LayerMounts:
         for h in layer_hexes:
             users = self.root / f"{h}.users"
             with self._locked(h):
-                with contextlib.suppress(FileNotFoundError):
-                    (users / user).unlink()
+                if user:  # "" only asks to unmount an unused layer (reconcile)
+                    with contextlib.suppress(FileNotFoundError):
+                        (users / user).unlink()
                 try:
                     remaining = os.listdir(users)
                 except FileNotFoundError:
@@ -209,6 +231,30 @@ class LayerMounts:
                     mp.rmdir()
                 with contextlib.suppress(OSError):
                     users.rmdir()
+
+    def reopen_loops(self) -> int:
+        """Point every loop-mounted layer at a freshly opened store file (LOOP_CHANGE_FD), in place, under
+        running sandboxes; returns how many. Some shared-filesystem clients (MooseFS' mfsmount) fail every
+        later read on a file handle that once hit an I/O error, even after the servers are back: the node
+        calls this when the store answers again after an outage, so loop-mounted layers recover.
+        File-backed EROFS mounts have no such switch (see docs/images.md, "Outage")."""
+        n = 0
+        for p in self.root.iterdir():
+            if p.name.endswith((".users", ".lease")) or not syscalls.is_mountpoint(str(p)):
+                continue
+            src = mount_source(p)
+            if not src or not src.startswith("/dev/loop"):
+                continue
+            try:
+                backing = Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip()
+            except OSError:
+                continue
+            if not backing.endswith(f"/{p.name}.erofs"):
+                continue
+            with self._locked(p.name), contextlib.suppress(OSError):
+                _change_loop_file(src, Path(backing.removesuffix(" (deleted)")))
+                n += 1
+        return n
 
     def users(self, layer_hex: str) -> list[str]:
         """Sandbox IDs currently using a layer on this host."""
@@ -252,6 +298,22 @@ def mount_source(mp: Path) -> str | None:
                 sep = parts.index("-")
                 return syscalls._unescape(parts[sep + 2])
     return None
+
+
+LOOP_CHANGE_FD = 0x4C06
+
+
+def _change_loop_file(dev: str, file: Path) -> None:
+    """Swap a read-only loop device's backing file for a new open of `file` (same size, same bytes)."""
+    new = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        lfd = os.open(dev, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(lfd, LOOP_CHANGE_FD, new)
+        finally:
+            os.close(lfd)
+    finally:
+        os.close(new)
 
 
 def _mount_file_backed(file: Path, mp: Path, flags: int, directio: bool) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shoal.errors import StoreUnavailable
@@ -76,6 +77,12 @@ class StoreHealth:
         self._box: dict[str, BaseException | None] = {"err": None}
         self._last_ms = 0.0
         self._started = 0.0
+        #: monotonic time of the first failed probe of the current outage (None: healthy)
+        self.failing_since: float | None = None
+        #: called (in the probing thread) when the store answers again after failed probes
+        self.on_recover: list[Callable[[], object]] = []
+        #: outages seen by this process (failed probes followed by a good one)
+        self.recoveries = 0
 
     def _why(self, what: str) -> StoreUnavailable:
         return StoreUnavailable(f"the layer store (SHOAL_STORE) {what}: creates fail until it answers again; "
@@ -92,6 +99,8 @@ class StoreHealth:
             if th is not None and th.is_alive():
                 if now - self._started >= self.timeout_s:
                     # an earlier probe is still blocked inside the filesystem: do not stack another
+                    if self.failing_since is None:
+                        self.failing_since = now
                     raise self._why(f"has not answered a probe for {now - self._started:.0f} s")
                 done, box, started = self._done, self._box, self._started  # join the probe in flight
             else:
@@ -110,9 +119,11 @@ class StoreHealth:
                 self._inflight = th
                 th.start()
         if not done.wait(max(0.0, started + self.timeout_s - now)):
+            self._failed()
             raise self._why(f"did not answer within {self.timeout_s:g} s")
         err = box["err"]
         if err is not None:
+            self._failed()
             if isinstance(err, FileNotFoundError):
                 raise self._why("is missing its layers directory (is the shared filesystem mounted?)")
             if isinstance(err, OSError):
@@ -122,4 +133,16 @@ class StoreHealth:
         with self._lock:
             self._last_ms = ms
             self._ok_until = time.monotonic() + self.ttl_s
+            recovered = self.failing_since is not None
+            self.failing_since = None
+        if recovered:
+            self.recoveries += 1
+            for fn in list(self.on_recover):
+                with contextlib.suppress(Exception):
+                    fn()
         return ms
+
+    def _failed(self) -> None:
+        with self._lock:
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()

@@ -85,6 +85,8 @@ class Node(DataPlane):
 
         #: bounded probes of SHOAL_STORE: creates fail fast (StoreUnavailable) when a shared store is down
         self.store_health = StoreHealth(self.paths.store)
+        # after an outage, loop-mounted layers get a fresh handle on their store file (see reopen_loops)
+        self.store_health.on_recover.append(self.layer_mounts.reopen_loops)
         self._leases_renewed = 0.0
         self._backends: dict[str, Backend] = {}
         self._statuses: dict[str, RuntimeStatus] | None = None
@@ -470,6 +472,13 @@ class Node(DataPlane):
         self._leases_renewed = now
         await asyncio.to_thread(self.layer_mounts.renew_leases)
 
+    async def watch_store(self) -> None:
+        """While sandboxes run, probe the store (the reaper calls this every round): an outage and its end
+        are noticed even when no create asks (a probe is a stat and a 4 KiB read; a blocked one is never
+        stacked), and the end of an outage re-opens loop-mounted layers (store_health.on_recover)."""
+        if len(self.connections) or self.store_health.failing_since is not None:
+            with contextlib.suppress(ShoalError):
+                await asyncio.to_thread(self.store_health.check)
 
 def _with_memory(backend: Backend, memory: bool | None, cap: Capability) -> bool:
     # None: files when the backend has them, else memory when it has that (VMs keep no host-side upper)

@@ -154,3 +154,5 @@ class Recovery:
                 await self.node.heartbeat_leases()
             # a scan reads every record: with thousands of sandboxes, keep it under ~5% of one core
             pause = max(interval, 20 * (time.monotonic() - t0))
+            with contextlib.suppress(Exception):
+                await self.node.watch_store()  # may wait up to the probe timeout: not part of the scan's cost
