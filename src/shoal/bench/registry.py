@@ -24,12 +24,13 @@ SCENARIOS: dict[str, str] = {
     "vm": "shoal.bench.scenarios.vm",
     "api": "shoal.bench.scenarios.api",
     "compat": "shoal.bench.scenarios.compat",
+    "cluster": "shoal.bench.scenarios.cluster",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
 ALIASES: dict[str, str] = {"image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api",
-                           "e2b": "compat", "swerex": "compat"}
+                           "e2b": "compat", "swerex": "compat", "ray": "cluster"}
 
 
 class UnknownScenario(ValueError):

@@ -353,9 +353,9 @@ class ClusterTransport(Transport):
     async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
         """Split by free capacity over the nodes, run the shares concurrently; what a node refuses is
         placed again elsewhere, until every node refused (then wait as it asks) or the deadline."""
-        from shoal.node.node import validate_spec
+        from shoal.spec import check_spec
 
-        validate_spec(spec)
+        check_spec(spec)
         n = int(n)
         if not 1 <= n <= 100_000:
             raise InvalidRequest(f"n={n} must be between 1 and 100000")
