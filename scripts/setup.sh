@@ -52,6 +52,47 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
+# the real RL frameworks the integration tests run against (issue 17), installed with uv: pip's resolver
+# takes minutes on harbor's dependency tree, uv seconds
+stamp=.venv/.shoal-rl-test
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "==> uv pip install -e .[rl-test]"
+  .venv/bin/uv pip install -q -p .venv/bin/python -e '.[rl-test]'
+  touch "$stamp"
+fi
+# Harbor needs Python >= 3.12: a second venv where such an interpreter exists (pyenv has them here)
+harbor_py=""
+for c in python3.13 python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python 2>/dev/null | sort -rV); do
+  if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    harbor_py=$(command -v "$c")
+    break
+  fi
+done
+stamp=.venv-harbor/.shoal-installed
+if [ -z "$harbor_py" ]; then
+  echo "==> no Python >= 3.12 here: the Harbor tests will be skipped (they need one for harbor itself)"
+elif [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "==> .venv-harbor with $harbor_py: uv pip install -e .[harbor]"
+  .venv/bin/uv venv -q --allow-existing -p "$harbor_py" .venv-harbor
+  .venv/bin/uv pip install -q -p .venv-harbor/bin/python -e '.[harbor]'
+  touch "$stamp"
+fi
+# the unmodified verl, OpenRLHF and TRL modules the tests load by path (importing those packages needs
+# torch, which `make test` does not install): their wheels from PyPI, unpacked, never installed
+for spec in verl==0.9.1 openrlhf==0.11.2 trl==1.16.0; do
+  name=${spec%%==*}
+  dest=build/frameworks/$name
+  if [ ! -f "$dest/.shoal-$spec" ]; then
+    echo "==> $spec's wheel into $dest (read by the tests, not installed)"
+    tmp=$(mktemp -d)
+    .venv/bin/pip download -q --no-deps -d "$tmp" "$spec"
+    rm -rf "$dest" && mkdir -p "$dest"
+    .venv/bin/python -m zipfile -e "$tmp"/*.whl "$dest"
+    rm -rf "$tmp"
+    touch "$dest/.shoal-$spec"
+  fi
+done
+
 echo "==> building the in-sandbox agent"
 make -s -C agent
 

@@ -6,7 +6,6 @@ so after the first run they are cached (and shared with `shoal demo`)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import shlex
 from pathlib import Path
@@ -26,29 +25,12 @@ from shoal.rl.grader import (
     grade_patch,
 )
 from shoal.rl.rollout import corrupt_patch, explore_then_fix, give_up, gold
-from shoal.rl.taskgen.config import load_task_recipe
-from shoal.rl.taskgen.generate import NOOP_PATCH, generate_tasks, verify_task
+from shoal.rl.taskgen.generate import NOOP_PATCH, verify_task
 from shoal.rl.tasks import SWETask
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 HARBOR_TASK = REPO / "examples" / "harbor-fizzbuzz"
-
-
-@pytest.fixture(scope="session")
-def rl_tasks(shoal_home: Path, base_image: str) -> list[SWETask]:
-    """Two generated tasks of the `inflection` project (images cached in the shared store)."""
-    tr = load_task_recipe().select(["inflection"])
-    tr.mutations.tasks_per_project = 2
-    tr.mutations.max_candidates = 8
-
-    async def go() -> list[SWETask]:
-        async with shoal.Client() as c:
-            return await generate_tasks(c.transport.node, tr)
-
-    tasks = asyncio.run(go())
-    assert len(tasks) == 2
-    return tasks
 
 
 async def _patch_from_edit(client: shoal.Client, task: SWETask, cmd: str) -> str:
@@ -240,33 +222,6 @@ async def test_openrlhf_agent_instance(client: shoal.Client, rl_tasks: list[SWET
     assert out["done"] is False and float(out["rewards"]) == 0.0
     out = await agent.step({"action_text": "Done. <submit/>", "label": t.instance_id})
     assert out["done"] is True and float(out["rewards"]) == 1.0 and out["extra_logs"]["outcome"] == RESOLVED
-
-
-def test_skyrl_text_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask], tmp_path: Path) -> None:
-    from shoal.rl.adapters.skyrl import ShoalTextEnv
-    from shoal.rl.tasks import dump_jsonl
-    from shoal.sdk.sync import close_shared_client
-
-    path = dump_jsonl(rl_tasks, tmp_path / "tasks.jsonl")
-    t = rl_tasks[0]
-    try:
-        env = ShoalTextEnv({"tasks": str(path), "max_turns": 4}, {"extra_info": {"instance_id": t.instance_id}})
-        prompt, meta = env.init([{"role": "system", "content": "You fix bugs."}])
-        assert meta["task_id"] == t.instance_id and t.workdir in prompt[-1]["content"]
-        out = env.step("```bash\ngit log --oneline\n```")
-        assert out["done"] is False and "[exit code 0]" in out["observations"][0]["content"]
-        out = env.step(f"<bash>{_apply_cmd(t.patch)}</bash>")
-        out = env.step("<submit/>")
-        assert out["done"] is True and out["reward"] == 1.0 and out["metadata"]["outcome"] == RESOLVED
-        env.close()
-        env = ShoalTextEnv({"tasks": str(path), "max_turns": 2}, {"task": t.to_dict()})
-        env.init([])
-        env.step("thinking")
-        out = env.step("still thinking")  # out of turns: graded as is
-        assert out["done"] is True and out["reward"] == 0.0
-        env.close()
-    finally:
-        close_shared_client()
 
 
 def test_sync_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:

@@ -112,12 +112,12 @@ def _json_list(rest: str) -> list[str] | None:
 def substitute(s: str, env: dict[str, str]) -> str:
     """Docker's `$VAR`, `${VAR}`, `${VAR:-default}` and `${VAR:+alt}` expansion (unset = empty)."""
     def one(m: re.Match[str]) -> str:
-        name = m.group(1) or m.group(3)
+        name = m.group(1) or m.group(4)
         val = env.get(name)
         if m.group(2) == "-":
-            return val if val else m.group(4)  # type: ignore[return-value]
+            return val if val else m.group(3)
         if m.group(2) == "+":
-            return m.group(4) if val else ""  # type: ignore[return-value]
+            return m.group(3) if val else ""
         return val or ""
 
     return _VAR.sub(one, s.replace("\\$", "\0")).replace("\0", "$")
@@ -141,6 +141,14 @@ def _kv_pairs(no: int, rest: str, what: str, where: str, env: dict[str, str]) ->
             raise InvalidRequest(f"{where}:{no}: {what} {w!r} must look like NAME=value")
         out[k] = substitute(v, {**env, **out})
     return out
+
+
+def _declare(args: dict[str, str], given: dict[str, str], no: int, rest: str, where: str,
+             scope: dict[str, str]) -> None:
+    """ARG NAME[=default]: the build arg given for NAME, else its default (else empty)."""
+    pairs = _kv_pairs(no, rest, "ARG", where, scope) if "=" in rest else {k: "" for k in rest.split()}
+    for k, v in pairs.items():
+        args[k] = given.get(k, v)
 
 
 def _owner(no: int, chown: str, where: str) -> str:
@@ -210,7 +218,9 @@ def dockerfile_recipe(context: Path, ref: str, *, dockerfile: Path | None = None
         raise InvalidRequest(f"{path}: no such Dockerfile") from None
     except UnicodeDecodeError:
         raise InvalidRequest(f"{path}: not a text file") from None
-    args: dict[str, str] = dict(build_args or {})
+    given = dict(build_args or {})
+    # as in Docker: ARGs before FROM serve FROM only; after it, a declared ARG takes the given value or its default
+    args: dict[str, str] = {}
     env: dict[str, str] = {}
     steps: list[Step] = []
     ignored: list[str] = []
@@ -231,25 +241,20 @@ def dockerfile_recipe(context: Path, ref: str, *, dockerfile: Path | None = None
                 raise InvalidRequest(f"{where}:{no}: FROM needs an image (`FROM image [AS name]`)")
             name = words[0]
             base = (from_map or {}).get(name, name)
+            args = {}
             if base == "scratch":
                 raise InvalidRequest(f"{where}:{no}: FROM scratch is not supported: start from a shoal image")
             continue
         if base is None:
             if cmd == "ARG":
-                for k, v in _kv_pairs(no, rest, "ARG", where, scope).items() if "=" in rest else \
-                        [(rest.strip(), "")]:
-                    args.setdefault(k, v)
+                _declare(args, given, no, rest, where, scope)
                 continue
             raise InvalidRequest(f"{where}:{no}: {cmd} before FROM; a Dockerfile starts with FROM")
         if cmd in RUNTIME_ONLY:
             ignored.append(f"{cmd} (line {no})")
             continue
         if cmd == "ARG":
-            if "=" in rest:
-                for k, v in _kv_pairs(no, rest, "ARG", where, scope).items():
-                    args.setdefault(k, v)
-            else:
-                args.setdefault(rest.strip(), "")
+            _declare(args, given, no, rest, where, scope)
             continue
         if cmd == "ENV":
             kv = _kv_pairs(no, rest, "ENV", where, scope)

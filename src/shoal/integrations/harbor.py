@@ -32,11 +32,15 @@ import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from harbor.environments.base import BaseEnvironment, ExecResult, transfer_tar_filter
-from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
-from harbor.environments.definition import require_agent_environment_definition
-from harbor.models.task.config import NetworkMode
-from harbor.models.trial.paths import EnvironmentPaths
+try:
+    from harbor.environments.base import BaseEnvironment, ExecResult, transfer_tar_filter
+    from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
+    from harbor.environments.definition import require_agent_environment_definition
+    from harbor.models.task.config import NetworkMode
+    from harbor.models.trial.paths import EnvironmentPaths
+except ModuleNotFoundError as e:  # pragma: no cover - depends on the interpreter
+    raise ModuleNotFoundError("shoal.integrations.harbor runs inside Harbor (Python >= 3.12): "
+                              f"pip install 'shoal[harbor]' ({e})", name=e.name) from e
 
 from shoal.errors import InvalidRequest, ShoalError
 

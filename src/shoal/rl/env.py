@@ -114,6 +114,22 @@ def default_client() -> Any:
     return Client()
 
 
+async def ensure_task_image(client: Any, task: HarborTask) -> None:
+    """Build a Harbor task's environment/Dockerfile into its image, once (the embedded node's store)."""
+    if task.environment_dir is None:
+        return
+    await client._ensure()
+    node = getattr(client.transport, "node", None)
+    if node is None:
+        return  # a remote server: the image must be there already (create says so when it is not)
+    from shoal.images.dockerfile import ensure_dockerfile_image
+
+    built = await ensure_dockerfile_image(node, task.environment_dir, task.id)
+    if built.recipe.ref != task.image:
+        raise InvalidRequest(f"task {task.id!r}: {task.environment_dir} changed since the task was loaded; "
+                             "load it again")
+
+
 class SandboxEnv:
     """One episode at a time over one task, in its own sandbox (async; gym-style reset/step)."""
 
@@ -172,6 +188,8 @@ class SandboxEnv:
             kw["memory_mb"], kw["cpus"] = max(self.memory_mb, t.memory_mb), max(self.cpus, t.cpus)
         if t.workdir:
             kw["workdir"] = t.workdir
+        if isinstance(t, HarborTask) and t.environment_dir is not None:
+            await ensure_task_image(self.client, t)
         self.sandbox = await self.client.create(t.image, **kw)
         self.timings["create"] = time.monotonic() - t0
         self._t_start = time.monotonic()

@@ -264,6 +264,8 @@ class HarborTask:
     network: bool = False
     verifier_env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: the task's environment/ when `image` is built from its Dockerfile (on first use, by content)
+    environment_dir: Path | None = None
 
     kind = "harbor"
 
@@ -288,6 +290,7 @@ class HarborTask:
         """JSON-friendly form."""
         d = asdict(self)
         d["tests_dir"] = str(self.tests_dir)
+        d["environment_dir"] = str(self.environment_dir) if self.environment_dir else None
         d["kind"] = "harbor"
         return d
 
@@ -317,10 +320,14 @@ def load_harbor_dir(path: str | Path, *, default_image: str | None = None) -> Ha
 
 def _image_from(env: dict[str, Any], tid: str, src: str, default_image: str | None, d: Path) -> str:
     image = env.get("image") or env.get("docker_image") or default_image
+    if not image and (d / "environment" / "Dockerfile").is_file():
+        # built from environment/Dockerfile as a shoal recipe the first time an episode needs it
+        from shoal.images.dockerfile import dockerfile_digest, dockerfile_image_ref
+
+        return dockerfile_image_ref(tid, dockerfile_digest(d / "environment"))
     if not image:
-        hint = (" (environment/Dockerfile exists, but shoal does not build Dockerfiles: build the image with "
-                "`shoal image build` or import it, then name it here)") if (d / "environment").is_dir() else ""
-        raise _err(tid, src, "environment.image", "required: the shoal image the agent works in" + hint)
+        raise _err(tid, src, "environment.image", "required: the shoal image the agent works in (`docker_image`), "
+                                                  "or an environment/Dockerfile")
     if not isinstance(image, str):
         raise _err(tid, src, "environment.image", "must be a string")
     from shoal.images.refs import parse_ref
@@ -330,6 +337,14 @@ def _image_from(env: dict[str, Any], tid: str, src: str, default_image: str | No
     except InvalidRequest as e:
         raise _err(tid, src, "environment.image", e.message) from None
     return image
+
+
+def _network(env: dict[str, Any]) -> bool:
+    """Harbor's `network_mode` ("public", "allowlist", "no-network"), or the older `allow_internet`."""
+    mode = env.get("network_mode")
+    if isinstance(mode, str):
+        return mode != "no-network"
+    return bool(env.get("allow_internet", env.get("network", False)))
 
 
 def _load_harbor_toml(d: Path, tid: str, default_image: str | None) -> HarborTask:
@@ -374,7 +389,9 @@ def _load_harbor_toml(d: Path, tid: str, default_image: str | None) -> HarborTas
         agent_timeout_s=_num(tid, src, "agent.timeout_sec", agent.get("timeout_sec"), 600.0),
         verifier_timeout_s=_num(tid, src, "verifier.timeout_sec", verifier.get("timeout_sec"), 300.0),
         workdir=env.get("workdir"), cpus=float(cpus), memory_mb=mem,
-        network=bool(env.get("allow_internet", env.get("network", False))),
+        network=_network(env),
+        environment_dir=(d / "environment") if not (env.get("image") or env.get("docker_image") or default_image)
+        and (d / "environment" / "Dockerfile").is_file() else None,
         verifier_env={str(k): str(v) for k, v in venv.items()},
         metadata=dict(meta) if isinstance(meta, dict) else {})
 
@@ -440,6 +457,7 @@ def task_from_dict(d: dict[str, Any], *, source: str | None = None, image_templa
             raise _err(tid, source, "tests_dir", "required for harbor tasks given as JSON")
         t = HarborTask(**{k: v for k, v in d.items() if k != "kind" and k in HarborTask.__dataclass_fields__})
         t.tests_dir = Path(t.tests_dir)
+        t.environment_dir = Path(t.environment_dir) if t.environment_dir else None
         if not (t.tests_dir / t.test_script).is_file():
             raise _err(tid, source, "tests_dir", f"{t.tests_dir / t.test_script} does not exist")
         return t
