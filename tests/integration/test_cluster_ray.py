@@ -220,6 +220,8 @@ async def test_gateway_tokens_and_cluster_wide_quota_survive_a_gateway_restart(c
             st = await via.stream("echo streamed")
             assert (await st.wait()).stdout == b"streamed\n"
         async with shoal.Client(srv.url, token=other) as o:
+            spread = await o.create_many("base", n=6, **SMALL)  # one batch: placed as a burst over the nodes
+            assert all(isinstance(s, shoal.Sandbox) for s in spread) and len(_nodes_of(spread)) >= 2, spread
             assert not ids & {i.id for i in await o.list()}  # another project sees none of them
             with pytest.raises(shoal.SandboxNotFound):
                 await o.get(direct[0].id)

@@ -74,6 +74,9 @@ class ClusterFront:
         self._owners: OrderedDict[str, SandboxOwner] = OrderedDict()
         self._usage: tuple[float, list[tuple[str, str, float, int]]] = (0.0, [])
         self._usage_task: asyncio.Task[None] | None = None
+        #: creates of one spec waiting to be placed together (see create)
+        self._coalescing: dict[str, list[asyncio.Future[SandboxInfo]]] = {}
+        self._bursts: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self, reap: bool = True) -> ClusterFront:
@@ -157,10 +160,47 @@ class ClusterFront:
 
     # ---- what the routes call -------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
-        """Place and create one sandbox somewhere in the cluster."""
-        info = await self.transport.create(spec)
+        """Place and create one sandbox somewhere in the cluster. Creates of one spec that arrive together
+        (a batch request creates its items concurrently) are placed as one burst: split over the nodes
+        by their room, one request per node, instead of one placement each."""
+        import json
+
+        key = json.dumps(spec.to_dict(), sort_keys=True, default=str)
+        loop = asyncio.get_running_loop()
+        waiting = self._coalescing.get(key)
+        if waiting is None:
+            waiting = self._coalescing[key] = []
+            loop.call_soon(self._flush, key, spec)
+        fut: asyncio.Future[SandboxInfo] = loop.create_future()
+        waiting.append(fut)
+        info = await fut
         self._remember_info(info)
         return info
+
+    def _flush(self, key: str, spec: SandboxSpec) -> None:
+        futs = self._coalescing.pop(key, [])
+        if futs:
+            t = asyncio.get_running_loop().create_task(self._create_burst(spec, futs))
+            self._bursts.add(t)
+            t.add_done_callback(self._bursts.discard)
+
+    async def _create_burst(self, spec: SandboxSpec, futs: list[asyncio.Future[SandboxInfo]]) -> None:
+        try:
+            items: list[SandboxInfo | ShoalError] = await self.transport.create_many(spec, len(futs))
+        except BaseException as e:
+            for f in futs:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for f, it in zip(futs, items, strict=False):
+            if f.done():  # the caller went away: do not leave its sandbox behind
+                if isinstance(it, SandboxInfo):
+                    with contextlib.suppress(ShoalError):
+                        await self.transport.close(it.id)
+            elif isinstance(it, SandboxInfo):
+                f.set_result(it)
+            else:
+                f.set_exception(it)
 
     async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
         """A burst split over the nodes."""

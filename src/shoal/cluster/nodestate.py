@@ -16,6 +16,7 @@ LIVE_STATES = ("creating", "running", "paused")
 def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str, Any]:
     """Memory and CPUs committed/limit/free (the node's admission figures), sandboxes by state, mounted layers
     and images in use."""
+    from shoal.backends.registry import backend_names
     from shoal.node.records import list_records
 
     adm = node.admission.snapshot()
@@ -38,6 +39,6 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
         "live": sum(by_state[s] for s in LIVE_STATES),
         "layers": layers,
         # what this node may be asked to create (a backend its host cannot run answers BackendUnavailable)
-        "backends": ["container", "microvm", "vm"],
+        "backends": backend_names(),
         "images": dict(images),
     }
