@@ -25,6 +25,7 @@ SCENARIOS: dict[str, str] = {
     "api": "shoal.bench.scenarios.api",
     "compat": "shoal.bench.scenarios.compat",
     "cluster": "shoal.bench.scenarios.cluster",
+    "store": "shoal.bench.scenarios.store",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
