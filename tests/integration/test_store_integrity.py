@@ -168,3 +168,21 @@ def test_http_create_of_a_corrupt_image_is_typed_and_shows_no_host_paths(tmp_pat
             asyncio.run(teardown_home(Paths(home=home, store=store_root), close_sandboxes=True))
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(store_root, ignore_errors=True)
+
+
+async def test_a_microvm_never_boots_on_a_corrupt_layer(tmp_path: Path) -> None:
+    """microVMs read layer files as disks (no host mount): the same check runs before QEMU starts."""
+    from shoal.backends.qemu import find_qemu
+    from shoal.errors import BackendUnavailable
+
+    try:
+        find_qemu()
+    except BackendUnavailable as e:
+        pytest.skip(e.message)
+    store = ImageStore(tmp_path / "store")
+    img = busybox_image(store, "bb:vm", tmp_path, filler_mib=1)
+    _flip(img.layers[0].path, img.layers[0].size // 2)
+    async with private_node(store.root) as node:
+        with pytest.raises(ImageCorrupt):
+            await node.create(SandboxSpec(image="bb:vm", backend="microvm", memory_mb=256))
+        assert not list_records(node.paths.sandboxes)

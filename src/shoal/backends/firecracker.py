@@ -162,6 +162,7 @@ class FirecrackerBackend(Backend):
                                                       "mem_size_mib": spec.memory_mb})
             await api.call("PUT", "/boot-source", {"kernel_image_path": str(guest.kernel),
                                                    "initrd_path": str(guest.initrd), "boot_args": args})
+            await asyncio.to_thread(self.ctx.layer_mounts.verify, image.layers)  # as a mount would
             for i, lay in enumerate(image.layers):
                 await api.call("PUT", f"/drives/shoal_layer{i}", {
                     "drive_id": f"shoal_layer{i}", "path_on_host": str(lay.path), "is_root_device": False,

@@ -298,6 +298,8 @@ class QemuVmBackend(Backend):
         tb = st.vm_tcg_tb_mb if accel == "tcg" else 0
         quiet = "" if st.vm_verbose else " quiet loglevel=3"
         if self.machine == "microvm":
+            # the guest reads the store files as disks: check them like a mount would (first use per node)
+            await asyncio.to_thread(self.ctx.layer_mounts.verify, image.layers)
             guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent())
             await asyncio.to_thread(vm_images.make_upper_disk, d / "upper.img", spec.disk_mb)
             drives = [Drive(f"layer{i}", str(lay.path), "raw", True, f"shoal-layer{i}")

@@ -128,6 +128,19 @@ class LayerMounts:
             (users / user).touch()
         return mp
 
+    def verify(self, layers: list[Layer]) -> None:
+        """Check layers used without a mount here (VM drives read the store files directly) against their
+        digests (remembered per node like a mount's check); ImageCorrupt / StoreUnavailable."""
+        for layer in layers:
+            try:
+                with self._locked(layer.hex):
+                    self.verifier.check(layer.digest, layer.path, layer.size)
+            except OSError as e:
+                raise StoreUnavailable(f"cannot read layer {layer.digest} from the layer store "
+                                       f"({errno.errorcode.get(e.errno or 0, 'error')}: {e.strerror}): "
+                                       "check that SHOAL_STORE is mounted and its servers are up "
+                                       "(`shoal store check`)") from None
+
     def _check_and_mount(self, layer: Layer, mp: Path) -> None:
         """Verify the layer (first mount on this node), then mount it; typed errors without host paths."""
         src = layer.path

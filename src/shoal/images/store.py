@@ -8,11 +8,12 @@ temp file + link/rename, and no lock is needed because every object is immutable
     manifests/sha256/<hex>.json   an image version: {layers: [bottom..top], config, created, lineage}
     tags/<name>/<tag>             text: the manifest digest this tag points at (tags move)
     cache/<kind>/<key>.json       build caches (recipe steps, OCI diff_id -> layer); never pin a layer
-    leases/<hex>/<host>           "this host has the layer mounted" (see mounts.py; honoured by gc)
+    leases/<hex>/<host>           "this node has the layer mounted"; mtime = last heartbeat (leases.py; gc)
     tmp/                          temp files of writes in progress
 
 A layer is visible (complete) only once its `.json` exists, and the `.json` is written after the data
-file is in place, so a reader never sees a half-written layer.
+file is in place, so a reader never sees a half-written layer. What a shared filesystem must provide
+for this (rename, link with EEXIST, close-to-open) is in docs/images.md, "Shared stores".
 """
 
 from __future__ import annotations
