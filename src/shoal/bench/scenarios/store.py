@@ -464,5 +464,5 @@ def _plot(data: dict[str, Any], path: Path | None) -> str:
     return str(path)
 
 
-SCENARIO = Scenario("store", "layer store on MooseFS: bytes fetched, cold start vs local and Docker, N nodes × "
-                    "100 sandboxes, layer cache", run, StoreParams, default_run=False)
+SCENARIO = Scenario("store", "shared layer store (MooseFS): bytes fetched, cold start vs Docker pull, N nodes, cache",
+                    run, StoreParams, default_run=False)
