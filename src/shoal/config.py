@@ -49,6 +49,7 @@ GROUPS: dict[str, str] = {
     "api": "`shoal serve`: where it listens and the limits that keep one client from pinning it",
     "images": "image store, EROFS mounts, base image builds",
     "rl": "RL tasks and trainer adapters",
+    "sched": "scheduling: priority classes, preemption by pausing, compute tides, event traces for `shoal sim`",
     "client": "the CLI talking to a remote `shoal serve`",
     "bench": "`shoal bench` and benchmark comparisons",
     "dev": "development and tests",
@@ -248,7 +249,17 @@ def _modules(v: object) -> object:
     return mods
 
 
+def _names(v: object) -> object:
+    items = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    names = tuple(str(m).strip() for m in items if str(m).strip())
+    bad = [m for m in names if not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,63}", m)]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError("must be distinct comma-separated names (letters, digits, . _ -), most important first")
+    return names
+
+
 SWAP_POLICY = Conv("auto|0|size", _swap_policy)
+NAMES = Conv("name,…", _names)
 WARM_POOL = Conv("IMAGE=N,…", parse_warm_pool)
 MODULES = Conv("module,…", _modules)
 
@@ -411,6 +422,27 @@ class Settings:
     # ---- rl
     rl_tasks: str | None = setting(None, "rl", "tasks file or directory the trainer adapters look task ids up in",
                                    _optional(text()), default_doc="none")
+    # ---- sched
+    priorities: tuple[str, ...] = setting(("train-rollout", "eval", "interactive", "batch"), "sched",
+                                          "priority classes, most important first (label shoal.priority)", NAMES,
+                                          default_doc="train-rollout,eval,interactive,batch")
+    default_priority: str = setting("interactive", "sched", "class of a sandbox whose labels name none", text())
+    preempt: bool = setting(True, "sched", "a create that does not fit pauses idle sandboxes of lower classes "
+                            "(they resume on their next call)", BOOL)
+    preempt_idle_s: float = setting(60.0, "sched", "only sandboxes idle this long are paused for a higher class (s)",
+                                    number(0))
+    tides: bool = setting(True, "sched", "pause sandboxes idle over tide_idle_s while the host's memory is tight "
+                          "(they resume on their next call)", BOOL)
+    tide_high: float = setting(0.85, "sched", "memory is tight when this fraction of RAM is in use",
+                               number(0, 1, lo_open=True))
+    tide_low: float = setting(0.75, "sched", "tides pause idle sandboxes until use is back under this fraction",
+                              number(0, 1, lo_open=True))
+    tide_idle_s: float = setting(300.0, "sched", "tides only pause sandboxes idle this long (s)", number(0))
+    tide_interval_s: float = setting(30.0, "sched", "how often the node checks its memory for tides (s)",
+                                     number(0, lo_open=True))
+    trace_file: Path | None = setting(None, "sched", "append the node's sandbox events (create, close, pause, "
+                                      "resume) to this JSONL file, replayable by `shoal sim --trace`",
+                                      _optional(PATH), default_doc="none")
     # ---- client
     url: str | None = setting(None, "client", "API server the CLI talks to (else an embedded node)",
                               _optional(text(r"(https?|ray)://\S+", "an http(s):// or ray:// URL")),

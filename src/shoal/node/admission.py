@@ -10,6 +10,10 @@ when promised memory passes `memory_overcommit` × RAM, or when little memory is
     node.admission.release(sandbox_id)      # when the sandbox is closed
 
 `node.admission.snapshot()` is what placement (the cluster) and the dashboard read.
+
+A paused sandbox's memory has been reclaimed (shoal.node.reclaim): `paused(sandbox_id)` stops counting it
+against the limit (the scheduler's `Policy.paused_commit_weight`, 0) and `resumed(sandbox_id)` counts it
+again — which is what lets preemption and compute tides (shoal.node.scheduling) make room by pausing.
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ class AdmissionSnapshot:
     #: live sandboxes counted, and reservations not yet committed
     sandboxes: int
     pending: int
+    #: memory promised to paused sandboxes (not counted in committed_mb: reclaimed while paused)
+    paused_mb: int = 0
+    paused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -117,6 +124,8 @@ class Admission:
         self._pending = 0
         self._committed_mb = 0
         self._committed_cpus = 0.0
+        #: paused sandboxes: id -> memory_mb (in _live, but not in _committed_mb)
+        self._paused: dict[str, int] = {}
 
     @property
     def committed_mb(self) -> int:
@@ -165,18 +174,36 @@ class Admission:
 
     def adopt(self, rec: SandboxRecord) -> None:
         """Count a live sandbox this process did not create (re-adopted after a restart)."""
+        self.resumed(rec.id)
         self._add(rec.id, int(rec.spec.get("memory_mb", 0)), float(rec.spec.get("cpus", 0.0)))
+        if rec.state == "paused":
+            self.paused(rec.id)
 
     def release(self, sandbox_id: str) -> None:
         """The sandbox is gone: stop counting it. Idempotent."""
+        self.resumed(sandbox_id)
         old = self._live.pop(sandbox_id, None)
         if old is not None:
             self._committed_mb -= old[0]
             self._committed_cpus -= old[1]
 
+    def paused(self, sandbox_id: str) -> None:
+        """The sandbox is paused (its memory reclaimed): its memory stops counting against the limit."""
+        live = self._live.get(sandbox_id)
+        if live is not None and sandbox_id not in self._paused:
+            self._paused[sandbox_id] = live[0]
+            self._committed_mb -= live[0]
+
+    def resumed(self, sandbox_id: str) -> None:
+        """The sandbox runs again: its memory counts again (even past the limit: a resume is never refused)."""
+        mem = self._paused.pop(sandbox_id, None)
+        if mem is not None:
+            self._committed_mb += mem
+
     def recount(self, live: list[SandboxRecord]) -> None:
         """Start over from these live records (reconcile: after a restart, or sandboxes closed elsewhere)."""
         self._live.clear()
+        self._paused.clear()
         self._committed_mb = 0
         self._committed_cpus = 0.0
         for rec in live:
@@ -197,4 +224,4 @@ class Admission:
             available_mb=info.get("MemAvailable", 0) // 1024, min_free_mb=self.config.min_free_memory_mb,
             total_mb=total_mb, overcommit=self.config.memory_overcommit,
             committed_cpus=round(self._committed_cpus + self._pending_cpus, 3), sandboxes=len(self._live),
-            pending=self._pending)
+            pending=self._pending, paused_mb=sum(self._paused.values()), paused=len(self._paused))

@@ -32,7 +32,7 @@ from shoal.fsutil import sha256_file
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
 from shoal.models import SandboxInfo, SandboxSpec, StreamEvent
-from shoal.node.admission import Admission
+from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
 from shoal.node.context import NodeContext
 from shoal.node.dataplane import DataPlane
@@ -75,6 +75,10 @@ class Node(DataPlane):
         self.recovery = Recovery(self)
         #: sandboxes created ahead of time and handed out by create() (off until configured)
         self.pool = WarmPool(self)
+        from shoal.node.scheduling import NodeScheduling
+
+        #: jobs, preemption by pausing, gangs, compute tides (shoal.sched's decisions on this node)
+        self.scheduling = NodeScheduling(self)
         #: what backends see of this node
         self.context = NodeContext(
             config=self.config, store=self.store, layer_mounts=self.layer_mounts, guest_dir=self.guest_dir,
@@ -111,6 +115,7 @@ class Node(DataPlane):
                 await self.heartbeat_leases(force=True)
         if reap:
             self.recovery.start_reaper()
+            self.scheduling.start()
         self._started = True
         for image, size in self.config.warm_pool.items():
             self.set_warm_pool(SandboxSpec(image=image), size)
@@ -125,6 +130,7 @@ class Node(DataPlane):
             with contextlib.suppress(Exception):
                 await b.close()
         await self.recovery.stop_reaper()
+        await self.scheduling.stop()
         await self.connections.close_all()
         self._started = False
 
@@ -198,6 +204,7 @@ class Node(DataPlane):
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Create one sandbox and wait until its agent answers (or hand out one from a warm pool)."""
         check_spec(spec)
+        self.scheduling.check_job(spec)
         image = await self.resolve_image(spec.image)
         if self.pool.active:
             hit = await self.pool.take(spec, image)
@@ -218,14 +225,16 @@ class Node(DataPlane):
         """Keep `size` sandboxes of `spec` ready for create() (0 removes the pool). See shoal.node.pool."""
         return self.pool.configure(spec, size)
 
-    async def start_sandbox(self, spec: SandboxSpec, image: Image, *, extra: dict[str, Any] | None = None
-                            ) -> SandboxInfo:
-        """Start a new sandbox of a checked spec (never from the warm pool): admit, create, connect."""
+    async def start_sandbox(self, spec: SandboxSpec, image: Image, *, extra: dict[str, Any] | None = None,
+                            reservation: Reservation | None = None) -> SandboxInfo:
+        """Start a new sandbox of a checked spec (never from the warm pool): admit, create, connect.
+        Admission may pause idle lower-priority sandboxes to make room (shoal.node.scheduling); a gang
+        passes the `reservation` it already holds."""
         backend = self.backend(spec.backend)
         backend.require(Capability.SANDBOXES)
         if spec.network:
             backend.require(Capability.NETWORK)
-        res = self.admission.reserve(spec)
+        res = reservation if reservation is not None else await self.scheduling.admit(spec)
         try:
             rec = self.context.new_record(
                 backend=spec.backend, image=image.ref, image_digest=image.digest,
@@ -248,18 +257,27 @@ class Node(DataPlane):
         self.connections.put(rec.id, client)
         rec.state = "running"
         rec.save()
+        if not rec.extra.get("pool"):
+            self.scheduling.created(rec)
         return self.describe(rec)
 
     async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None,
-                          on_done: Callable[[SandboxInfo | ShoalError], None] | None = None,
-                          ) -> list[SandboxInfo | ShoalError]:
+                          on_done: Callable[[SandboxInfo | ShoalError], None] | None = None, *,
+                          all_or_nothing: bool = False) -> list[SandboxInfo | ShoalError]:
         """Create `n` sandboxes with bounded parallelism; each item is an info or the error it met.
-        `on_done` is called as each one becomes ready (or fails), e.g. to time a burst per sandbox."""
+        `on_done` is called as each one becomes ready (or fails), e.g. to time a burst per sandbox.
+
+        `all_or_nothing` (a gang): admission for all `n` is reserved before any starts, or
+        GangUnsatisfiable is raised (with how many fit); if one then fails to start, the others are
+        closed and its error is raised. Gangs do not draw from the warm pool."""
         check_spec(spec)
-        if not isinstance(n, int) or not 1 <= n <= MAX_BATCH:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_BATCH:
             raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_BATCH}")
+        self.scheduling.check_job(spec, n)
         image = await self.resolve_image(spec.image)
         sem = asyncio.Semaphore(concurrency or self.config.create_concurrency)
+        if all_or_nothing:
+            return await self._create_gang(spec, n, image, sem, on_done)
 
         async def one() -> SandboxInfo | ShoalError:
             async with sem:
@@ -276,6 +294,40 @@ class Node(DataPlane):
             return res
 
         return list(await asyncio.gather(*(one() for _ in range(n))))
+
+    async def _create_gang(self, spec: SandboxSpec, n: int, image: Image, sem: asyncio.Semaphore,
+                           on_done: Callable[[SandboxInfo | ShoalError], None] | None
+                           ) -> list[SandboxInfo | ShoalError]:
+        held = await self.scheduling.reserve_gang(spec, n)
+        failed: list[BaseException] = []
+
+        async def one(res: Reservation) -> SandboxInfo | None:
+            async with sem:
+                if failed:  # one already failed: the gang is off, do not start more
+                    res.release()
+                    return None
+                try:
+                    info = await self.start_sandbox(replace(spec), image, reservation=res)
+                except BaseException as e:
+                    failed.append(e)
+                    return None
+            if on_done is not None:
+                on_done(info)
+            return info
+
+        try:
+            got = await asyncio.gather(*(one(r) for r in held))
+        finally:
+            for r in held:
+                r.release()  # no-op for the committed ones
+        infos = [i for i in got if i is not None]
+        if failed:
+            await asyncio.gather(*(self.close(i.id) for i in infos), return_exceptions=True)
+            err = failed[0]
+            if isinstance(err, ShoalError):
+                raise err
+            raise SandboxError(f"gang create failed ({len(infos)} of {n} had started and were closed): {err}") from err
+        return list(infos)
 
     async def close(self, sandbox_id: str) -> None:
         """Destroy a sandbox and everything it had on the host."""
@@ -294,6 +346,7 @@ class Node(DataPlane):
                 await self.backend(rec.backend).destroy(rec)
             finally:
                 self.admission.release(sandbox_id)
+                self.scheduling.closed(rec)
         self.locks.forget(sandbox_id)
         if rec.extra.get("forked"):
             from shoal.node.snapshot import drop_fork_snapshots
@@ -331,6 +384,7 @@ class Node(DataPlane):
     async def client(self, sandbox_id: str, rec: SandboxRecord | None = None) -> AgentClient:
         """A live connection to the sandbox's agent, resuming the sandbox first if it is paused."""
         rec = rec or self.record(sandbox_id)
+        self.scheduling.touched(sandbox_id)  # a call: not idle (preemption and tides look at this)
         if rec.state == "paused":
             # a request to a paused sandbox resumes it transparently
             await self.resume(sandbox_id)
@@ -359,8 +413,10 @@ class Node(DataPlane):
             raise
 
     # ---- pause / resume -----------------------------------------------------------------------
-    async def pause(self, sandbox_id: str, reclaim: bool | None = None) -> None:
-        """Freeze the sandbox, then reclaim its memory (see shoal.node.reclaim; `reclaim=None`: the config's)."""
+    async def pause(self, sandbox_id: str, reclaim: bool | None = None, *, by: str | None = None) -> None:
+        """Freeze the sandbox, then reclaim its memory (see shoal.node.reclaim; `reclaim=None`: the config's).
+        Its memory stops counting against the node's limit until it resumes. `by` names who paused it
+        when it was not its user ("preempt", "tides": `info.extra["paused_by"]` until it resumes)."""
         rec = self.record(sandbox_id)  # SandboxNotFound before any lock file is made
         backend = self.backend(rec.backend)
         backend.require(Capability.PAUSE)
@@ -373,7 +429,11 @@ class Node(DataPlane):
             await backend.pause(rec)
             rec.state = "paused"
             rec.extra["paused_at"] = time.time()
+            if by:
+                rec.extra["paused_by"] = by
             rec.save()
+            self.admission.paused(sandbox_id)
+            self.scheduling.paused(sandbox_id, by or "user")
             if (self.config.reclaim_on_pause if reclaim is None else reclaim) and backend.can(Capability.RECLAIM):
                 rec.extra["reclaim"] = await backend.reclaim(rec, record_working_set=self.config.prefetch_on_resume)
                 rec.save()
@@ -396,6 +456,8 @@ class Node(DataPlane):
             rec.extra.pop("paused_by", None)
             rec.extra["resume"] = dict(fetched, thaw_s=round(asyncio.get_running_loop().time() - t0, 4), at=time.time())
             rec.save()
+            self.admission.resumed(sandbox_id)
+            self.scheduling.resumed(sandbox_id)
 
     # ---- snapshot / fork / restore --------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str, *, memory: bool | None = None,
@@ -451,7 +513,9 @@ class Node(DataPlane):
     # ---- reaping and crash recovery (shoal.node.recovery) ---------------------------------------
     async def reconcile(self) -> dict[str, int]:
         """Re-adopt live sandboxes left by earlier processes; clean up dead, expired and half-made ones."""
-        return await self.recovery.reconcile()
+        out = await self.recovery.reconcile()
+        self.scheduling.recount(list_records(self.paths.sandboxes))
+        return out
 
     def adopt(self, rec: SandboxRecord) -> SandboxInfo:
         """Take over a live sandbox another process made (counted by admission, reachable from here)."""

@@ -84,6 +84,23 @@ class Policy:
             raise InvalidRequest("memory_overcommit and cpu_overcommit must be positive")
         self._rank = {name: i for i, name in enumerate(self.priorities)}
 
+    @classmethod
+    def from_settings(cls, s: object, **overrides: object) -> Policy:
+        """The policy a node's settings ask for (`shoal.config.Settings`: priorities, admission limits,
+        preemption and tide knobs); keyword arguments win."""
+        kw: dict[str, object] = {
+            "priorities": tuple(getattr(s, "priorities", DEFAULT_PRIORITIES)),
+            "default_priority": getattr(s, "default_priority", DEFAULT_PRIORITY),
+            "memory_overcommit": getattr(s, "memory_overcommit", 4.0),
+            "min_free_mb": getattr(s, "min_free_mb", 512),
+            "min_idle_s": getattr(s, "preempt_idle_s", 60.0),
+            "tide_high": getattr(s, "tide_high", 0.85),
+            "tide_low": getattr(s, "tide_low", 0.75),
+            "tide_idle_s": getattr(s, "tide_idle_s", 300.0),
+        }
+        kw.update(overrides)
+        return cls(**kw)  # type: ignore[arg-type]
+
     def rank(self, priority: str | int | None) -> int:
         """The rank of a priority class (0 = most important); a name, a rank or None (the default class)."""
         if priority is None or priority == "":

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest, ShoalError
 from shoal.models import SandboxInfo, SandboxSpec
 from shoal.sdk.sandbox import Sandbox
 from shoal.sdk.transport import Transport
+
+if TYPE_CHECKING:
+    from shoal.sdk.jobs import Job
 
 
 class Client:
@@ -94,11 +97,19 @@ class Client:
         self._owned.add(info.id)
         return Sandbox(self, info)
 
-    async def create_many(self, image: str = "base", n: int = 1, *, return_errors: bool = True,
-                          **kw: Any) -> list[Sandbox | ShoalError]:
-        """Create a burst of `n` sandboxes; each item is a Sandbox or the error that one met."""
+    async def create_many(self, image: str = "base", n: int = 1, *, all_or_nothing: bool = False,
+                          return_errors: bool = True, **kw: Any) -> list[Sandbox | ShoalError]:
+        """Create a burst of `n` sandboxes; each item is a Sandbox or the error that one met.
+
+        `all_or_nothing=True` (gang admission): capacity for all `n` is reserved before any sandbox starts,
+        or the call fails at once with `GangUnsatisfiable` (its `available` says how many fit); if one of
+        them then fails to start, the others are closed and that error is raised."""
         t = await self._ensure()
-        items = await t.create_many(self._spec(image, kw), n)
+        spec = self._spec(image, kw)
+        if all_or_nothing:
+            items = await t.create_many(spec, n, all_or_nothing=True)
+        else:
+            items = await t.create_many(spec, n)
         out: list[Sandbox | ShoalError] = []
         for it in items:
             if isinstance(it, SandboxInfo):
@@ -111,6 +122,14 @@ class Client:
             if errs:
                 raise errs[0]
         return out
+
+    def job(self, name: str, *, priority: str | None = None, max_sandboxes: int | None = None,
+            weight: float | None = None) -> Job:
+        """A job: its sandboxes carry its name, priority class (train-rollout > eval > interactive > batch),
+        cap on live sandboxes and fair-share weight (see shoal.sdk.jobs and docs/scheduling.md)."""
+        from shoal.sdk.jobs import Job
+
+        return Job(self, name, priority=priority, max_sandboxes=max_sandboxes, weight=weight)
 
     async def get(self, sandbox_id: str) -> Sandbox:
         """A handle to an existing sandbox (created by any client or process)."""

@@ -294,9 +294,16 @@ class HttpTransport(Transport):
         r = await self._request("POST", "/v1/sandboxes", json_body=self._spec_json(spec))
         return decode_info(r.json())
 
-    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
-        """One batch request; items refused for capacity are asked for again (backoff) until the deadline."""
+    async def create_many(self, spec: SandboxSpec, n: int, *, all_or_nothing: bool = False
+                          ) -> list[SandboxInfo | ShoalError]:
+        """One batch request; items refused for capacity are asked for again (backoff) until the deadline.
+        A gang (`all_or_nothing`) is one request, never retried: all sandboxes, or its error at once."""
         body = self._spec_json(spec)
+        if all_or_nothing:
+            r = await self._request("POST", "/v1/sandboxes/batch", json_body={**body, "n": int(n),
+                                                                             "all_or_nothing": True},
+                                    retry_capacity=False)
+            return [decode_info(it["sandbox"]) for it in r.json()["items"]]
         out: list[SandboxInfo | ShoalError | None] = [None] * int(n)
         todo = list(range(int(n)))
         deadline = time.monotonic() + self.timeout

@@ -33,8 +33,9 @@ class LocalTransport(Transport):
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         return await self.node.create(spec)
 
-    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
-        return await self.node.create_many(spec, n)
+    async def create_many(self, spec: SandboxSpec, n: int, *, all_or_nothing: bool = False
+                          ) -> list[SandboxInfo | ShoalError]:
+        return await self.node.create_many(spec, n, all_or_nothing=all_or_nothing)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return await self.node.get(sandbox_id)

@@ -13,6 +13,7 @@ from shoal.errors import ShoalError
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 from shoal.sdk.bridge import Bridge
 from shoal.sdk.client import Client
+from shoal.sdk.jobs import Job
 from shoal.sdk.sandbox import Sandbox, Shell, Stream
 
 
@@ -152,6 +153,32 @@ class SyncSandbox:
         self.close()
 
 
+class SyncJob:
+    """Blocking twin of shoal.sdk.jobs.Job."""
+
+    def __init__(self, loop: Bridge, job: Job) -> None:
+        self._loop, self._job = loop, job
+        self.name = job.name
+        self.labels = job.labels
+
+    def create(self, image: str = "base", **kw: Any) -> SyncSandbox:
+        """Create one sandbox of the job."""
+        return SyncSandbox(self._loop, self._loop.run(self._job.create(image, **kw)))
+
+    def create_many(self, image: str = "base", n: int = 1, **kw: Any) -> list[SyncSandbox | ShoalError]:
+        """Create a burst of the job's sandboxes (all_or_nothing=True: all or GangUnsatisfiable)."""
+        items = self._loop.run(self._job.create_many(image, n, **kw))
+        return [SyncSandbox(self._loop, it) if isinstance(it, Sandbox) else it for it in items]
+
+    def list(self) -> list[SandboxInfo]:
+        """The job's sandboxes."""
+        return self._loop.run(self._job.list())
+
+    def close_all(self) -> int:
+        """Close the job's sandboxes."""
+        return self._loop.run(self._job.close_all())
+
+
 class SyncClient:
     """Blocking twin of `shoal.Client` (same arguments, same methods)."""
 
@@ -178,6 +205,10 @@ class SyncClient:
         """Create a burst of sandboxes; per-item errors."""
         items = self._loop.run(self._client.create_many(image, n, **kw))
         return [SyncSandbox(self._loop, it) if isinstance(it, Sandbox) else it for it in items]
+
+    def job(self, name: str, **kw: Any) -> SyncJob:
+        """A job (see Client.job): create, list and close its sandboxes."""
+        return SyncJob(self._loop, self._client.job(name, **kw))
 
     def get(self, sandbox_id: str) -> SyncSandbox:
         """Handle to an existing sandbox."""

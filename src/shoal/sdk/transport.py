@@ -40,7 +40,10 @@ class Transport(ABC):
     async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
 
     @abstractmethod
-    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]: ...
+    async def create_many(self, spec: SandboxSpec, n: int, *, all_or_nothing: bool = False
+                          ) -> list[SandboxInfo | ShoalError]:
+        """`n` sandboxes of `spec`, per-item results; `all_or_nothing`: all or GangUnsatisfiable / the first error
+        (the Client passes the keyword only when it is true)."""
 
     @abstractmethod
     async def get(self, sandbox_id: str) -> SandboxInfo: ...

@@ -112,7 +112,8 @@ async def create_sandbox(body: SpecIn, request: Request, who: Who) -> dict[str, 
     return Namespace(who).show_info(info)
 
 
-@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 503), summary="Create many sandboxes")
+@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 500, 503),
+             summary="Create many sandboxes")
 async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[str, Any]:
     """Create `n` sandboxes of one spec in one request; each item is a sandbox or the error it met
     (quota and capacity refusals are per item, so a burst gets as many as fit)."""
@@ -122,6 +123,8 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
                              errors=[{"field": "body.n", "message": f"at most {st.settings.max_batch}"}])
     spec = _spec(st, who, body)
     st.node.store.resolve(spec.image)  # a missing image fails the request, not every item
+    if body.all_or_nothing:
+        return await _create_gang(st, who, spec, body.n)
     res = st.quotas.reserve(_owner(st, who, spec.project), body.n, spec.cpus, spec.memory_mb, partial=True)
 
     async def one() -> SandboxInfo | BaseException:
@@ -144,6 +147,20 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
         results += [res.refused] * (body.n - res.granted)
     ns = Namespace(who)
     return _batch([_item(ns, it, st) for it in results])
+
+
+async def _create_gang(st: ServerState, who: Principal, spec: SandboxSpec, n: int) -> dict[str, Any]:
+    """All `n` or an error: the project's quota for all of them, then the node's gang admission."""
+    res = st.quotas.reserve(_owner(st, who, spec.project), n, spec.cpus, spec.memory_mb)
+    try:
+        infos = await st.node.create_many(spec, n, concurrency=st.settings.create_concurrency, all_or_nothing=True)
+        for info in infos:
+            if isinstance(info, SandboxInfo):
+                res.commit(info.id)
+    finally:
+        res.release()
+    ns = Namespace(who)
+    return _batch([_item(ns, it, st) for it in infos])
 
 
 @router.get("", response_model=SandboxList, responses=errors(403), summary="List sandboxes")

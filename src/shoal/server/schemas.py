@@ -66,6 +66,9 @@ class BatchIn(SpecIn):
     """`n` sandboxes of one spec, made in one request; failures are reported per item."""
 
     n: int = Field(..., ge=1, le=MAX_BATCH)
+    all_or_nothing: bool = Field(False, description="a gang: admission for all `n` is reserved before any starts, "
+                                 "or 429 gang_unsatisfiable (details.available says how many fit); if one then "
+                                 "fails to start, the others are closed and its error is the answer")
 
 
 class ExecIn(_In):

@@ -1,0 +1,313 @@
+"""The scheduler's decisions on one node: job caps, preemption by pausing, gangs, compute tides.
+
+The decisions are shoal.sched's (the same code the cluster runtime and `shoal sim` run); this module
+builds the one-node view they read (from the node's records, its admission figures and the host's
+memory) and carries them out with the node's own pause:
+
+* **jobs** — a sandbox's labels name its job and priority class (`shoal.job`, `shoal.priority`,
+  `shoal.max-sandboxes`); a create past its job's cap fails with QuotaExceeded;
+* **preemption** — a create the node's admission refuses for memory pauses idle sandboxes of lower
+  classes (`sched.plan_preemption`: lowest class, longest idle first), then is admitted; the paused
+  sandboxes resume transparently on their next call (Node.client), never killed;
+* **gangs** — `reserve_gang` holds admission for all `n` creates of an `all_or_nothing` burst, or
+  raises GangUnsatisfiable saying how many fit, before anything starts;
+* **compute tides** — every `tide_interval_s`, when the host's used memory is over `tide_high`,
+  sandboxes idle over `tide_idle_s` are paused and reclaimed (`sched.plan_tides`) until it is under
+  `tide_low`.
+
+"Idle" is the time since the sandbox last served a call through this node process (exec, files,
+shells), or since it was created, adopted or resumed. Paused sandboxes carry `extra.paused_by`
+("preempt", "tides"; a user's own pause leaves none) until they resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import CapacityExceeded, GangUnsatisfiable, ShoalError
+from shoal.sched import (
+    Cluster,
+    JobBook,
+    NodeState,
+    Policy,
+    Request,
+    SandboxView,
+    job_labels,
+    plan_preemption,
+    plan_tides,
+)
+from shoal.sched.policy import JobLabels
+
+if TYPE_CHECKING:
+    from shoal.config import Settings
+    from shoal.models import SandboxSpec
+    from shoal.node.node import Node
+    from shoal.node.records import SandboxRecord
+
+log = logging.getLogger(__name__)
+
+
+def _meminfo_mb() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) of the host in MiB."""
+    from shoal.node.admission import _recent_meminfo
+
+    info = _recent_meminfo()
+    return info.get("MemTotal", 0) // 1024, info.get("MemAvailable", 0) // 1024
+
+
+class NodeScheduling:
+    """See the module docstring. One per Node (`node.scheduling`)."""
+
+    def __init__(self, node: Node, s: Settings | None = None) -> None:
+        from shoal.config import settings
+
+        s = s or settings()
+        self.node = node
+        cfg = node.config
+        self.policy = Policy.from_settings(s, memory_overcommit=cfg.memory_overcommit,
+                                           min_free_mb=cfg.min_free_memory_mb)
+        self.preempt_enabled = bool(s.preempt)
+        self.tides_enabled = bool(s.tides)
+        self.tide_interval_s = float(s.tide_interval_s)
+        #: jobs and what they hold on this node (for caps)
+        self.book = JobBook(self.policy)
+        #: sandbox id -> time.time() of its last call through this process
+        self.last_used: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.trace = None
+        if s.trace_file is not None:
+            from shoal.node.tracelog import TraceLog
+
+            self.trace = TraceLog(s.trace_file, cfg.node_id)
+        #: what the last tide pass did (for `shoal bench` and tests)
+        self.last_tide: dict[str, Any] = {}
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def job_of(self, spec: SandboxSpec) -> JobLabels:
+        """The job, priority, cap and weight a spec's labels give (InvalidRequest naming a bad label)."""
+        return job_labels(spec.labels, self.policy, project=spec.project)
+
+    def recount(self, recs: list[SandboxRecord]) -> None:
+        """Start over from the live records (node start, reconcile)."""
+        self.book = JobBook(self.policy)
+        now = time.time()
+        for rec in recs:
+            if rec.extra.get("pool") or rec.state not in ("running", "paused", "creating"):
+                continue
+            with contextlib.suppress(ShoalError):
+                jl = job_labels(rec.labels, self.policy, project=rec.project)
+                self.book.charge(jl.job, rec.project, 1)
+            self.last_used.setdefault(rec.id, now)
+
+    def created(self, rec: SandboxRecord) -> None:
+        """A sandbox was handed out (its labels are final)."""
+        self.last_used[rec.id] = time.time()
+        jl = job_labels(rec.labels, self.policy, project=rec.project)
+        self.book.charge(jl.job, rec.project, 1)
+        if self.trace is not None:
+            self.trace.created(rec.id, rec.spec, rec.image, list(rec.layers), rec.labels)
+
+    def closed(self, rec: SandboxRecord) -> None:
+        """A sandbox was closed."""
+        self.last_used.pop(rec.id, None)
+        if rec.extra.get("pool"):
+            return
+        with contextlib.suppress(ShoalError):
+            jl = job_labels(rec.labels, self.policy, project=rec.project)
+            self.book.charge(jl.job, rec.project, -1)
+        if self.trace is not None:
+            self.trace.event("close", rec.id)
+
+    def touched(self, sandbox_id: str) -> None:
+        """The sandbox served a call now (it is not idle)."""
+        self.last_used[sandbox_id] = time.time()
+
+    def paused(self, sandbox_id: str, by: str) -> None:
+        """Record a pause (trace)."""
+        if self.trace is not None:
+            self.trace.event("pause", sandbox_id, by=by)
+
+    def resumed(self, sandbox_id: str) -> None:
+        """A paused sandbox runs again (its idle time starts over)."""
+        self.last_used[sandbox_id] = time.time()
+        if self.trace is not None:
+            self.trace.event("resume", sandbox_id)
+
+    # ---- the one-node view -------------------------------------------------------------------------
+    def view(self, *, used: bool = False, backend: str = "container") -> Cluster:
+        """This node as the scheduler sees it: promised and used memory, and every running sandbox
+        (with its class, job, last call and — `used=True` — the memory its cgroup holds). The node
+        counts as offering `backend` (the one the request is for; a node's own view needs no filter)."""
+        from shoal.node.records import list_records
+
+        snap = self.node.admission.snapshot()
+        total, avail = _meminfo_mb()
+        state = NodeState.new(self.node.config.node_id, cpus=_cpu_count(), memory_mb=max(1, total),
+                              policy=self.policy, cpu_overcommit=1e9,
+                              memory_overcommit=snap.limit_mb / max(1, total), backends=frozenset({backend}))
+        state.committed_mb = snap.committed_mb
+        state.paused_mb = getattr(snap, "paused_mb", 0)
+        state.used_mb = max(0, total - avail)
+        cluster = Cluster([state], self.policy)
+        now = time.time()
+        for rec in list_records(self.node.paths.sandboxes):
+            if rec.extra.get("pool") or rec.state not in ("running", "paused"):
+                continue
+            try:
+                jl = job_labels(rec.labels, self.policy, project=rec.project)
+            except ShoalError:
+                continue
+            if rec.state == "paused":
+                state.paused += 1
+            else:
+                state.running += 1
+            state.by_priority[jl.priority] = state.by_priority.get(jl.priority, 0) + 1
+            state.by_job[jl.job] = state.by_job.get(jl.job, 0) + 1
+            used_mb = 0
+            if used and rec.state == "running" and rec.cgroup:
+                from shoal.host.cgroups import SandboxCgroup
+
+                used_mb = (SandboxCgroup(rec.cgroup).memory_bytes() or 0) >> 20
+            cluster.track(SandboxView(rec.id, state.node_id, int(rec.spec.get("memory_mb", 0)),
+                                      float(rec.spec.get("cpus", 1.0)), jl.priority, jl.job, rec.project,
+                                      rec.state, self.last_used.get(rec.id, rec.created_at or now), used_mb))
+        return cluster
+
+    def request(self, spec: SandboxSpec, jl: JobLabels | None = None) -> Request:
+        """A spec as the scheduler's Request."""
+        jl = jl or self.job_of(spec)
+        return Request(cpus=float(spec.cpus), memory_mb=int(spec.memory_mb), backend=spec.backend,
+                       image=spec.image, priority=jl.priority, job=jl.job, project=spec.project)
+
+    # ---- admission with jobs and preemption ----------------------------------------------------------
+    def check_job(self, spec: SandboxSpec, n: int = 1) -> JobLabels:
+        """QuotaExceeded when `n` more sandboxes would pass the job's `shoal.max-sandboxes`."""
+        jl = self.job_of(spec)
+        if jl.max_sandboxes is not None:
+            self.book.configure(jl.job, spec.project, max_sandboxes=jl.max_sandboxes)
+            self.book.check(jl.job, spec.project, n)
+        return jl
+
+    async def admit(self, spec: SandboxSpec) -> Any:
+        """An admission reservation for one create, pausing idle lower-priority sandboxes when the node
+        is full and that makes room. Raises what admission raises when nothing helps."""
+        jl = self.check_job(spec)
+        try:
+            return self.node.admission.reserve(spec)
+        except CapacityExceeded as e:
+            if not self._may_preempt(e, jl):
+                raise
+        async with self._lock:
+            with contextlib.suppress(CapacityExceeded):
+                return self.node.admission.reserve(spec)  # someone freed room meanwhile
+            await self._preempt(self.request(spec, jl), 1)
+            return self.node.admission.reserve(spec)
+
+    async def reserve_gang(self, spec: SandboxSpec, n: int) -> list[Any]:
+        """Admission reservations for all `n` creates of a gang, or GangUnsatisfiable (with how many fit)
+        before anything starts; idle lower-priority sandboxes are paused when that makes room for all."""
+        jl = self.check_job(spec, n)
+        async with self._lock:
+            held = self._reserve_up_to(spec, n)
+            if len(held) < n and self.preempt_enabled and jl.priority + self.policy.preempt_gap < len(
+                    self.policy.priorities):
+                req = self.request(spec, jl)
+                cluster = self.view(backend=req.backend)
+                extra = plan_preemption(req, n - len(held), cluster, time.time())
+                if sum(k for k, _ in extra.values()) >= n - len(held):
+                    await self._pause_all([v.id for _, vs in extra.values() for v in vs], "preempt")
+                    held += self._reserve_up_to(spec, n - len(held))
+            if len(held) < n:
+                for r in held:
+                    r.release()
+                raise GangUnsatisfiable(
+                    f"only {len(held)} of {n} sandboxes fit on this node now (all_or_nothing: none were created); "
+                    f"ask for at most {len(held)}, retry later, or drop all_or_nothing to get as many as fit",
+                    requested=n, available=len(held))
+            return held
+
+    def _reserve_up_to(self, spec: SandboxSpec, n: int) -> list[Any]:
+        held = []
+        for _ in range(n):
+            try:
+                held.append(self.node.admission.reserve(spec))
+            except CapacityExceeded:
+                break
+        return held
+
+    def _may_preempt(self, e: CapacityExceeded, jl: JobLabels) -> bool:
+        # only a refusal for promised memory can be cured by pausing (a host short of free memory is the
+        # tides' business); only classes with someone below them may preempt
+        return (self.preempt_enabled and "committed_mb" in e.details
+                and jl.priority + self.policy.preempt_gap < len(self.policy.priorities))
+
+    async def _preempt(self, req: Request, n: int) -> list[str]:
+        plan = plan_preemption(req, n, self.view(backend=req.backend), time.time())
+        victims = [v.id for _, vs in plan.values() for v in vs]
+        await self._pause_all(victims, "preempt")
+        return victims
+
+    async def _pause_all(self, ids: list[str], by: str) -> int:
+        async def one(sid: str) -> int:
+            try:
+                await self.node.pause(sid, by=by)
+                return 1
+            except ShoalError as e:  # closed or died meanwhile: another victim's room will do
+                log.info("could not pause %s for %s: %s", sid, by, e)
+                return 0
+
+        return sum(await asyncio.gather(*(one(s) for s in ids)))
+
+    # ---- compute tides -------------------------------------------------------------------------------
+    async def tide_once(self) -> list[str]:
+        """One tide pass: when the host's memory is tight, pause idle sandboxes; returns their ids."""
+        total, avail = _meminfo_mb()
+        t0 = time.monotonic()
+        self.last_tide = {"at": time.time(), "used_mb": total - avail, "total_mb": total, "paused": []}
+        if total <= 0 or total - avail < self.policy.tide_high * total:
+            return []
+        cluster = self.view(used=True)
+        victims = [v.id for v in plan_tides(self.node.config.node_id, cluster, time.time())]
+        paused = [sid for sid in victims if await self._pause_all([sid], "tides")]
+        _, avail_after = _meminfo_mb()
+        self.last_tide.update(paused=paused, used_after_mb=total - avail_after,
+                              seconds=round(time.monotonic() - t0, 3))
+        if paused:
+            log.info("tides: paused %d idle sandboxes (host memory %d of %d MiB in use)", len(paused),
+                     total - avail, total)
+        return paused
+
+    def start(self) -> None:
+        """Start the tide loop (when tides are on)."""
+        if self.tides_enabled and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="shoal-tides")
+
+    async def stop(self) -> None:
+        """Stop the tide loop; close the trace file."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        if self.trace is not None:
+            self.trace.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tide_interval_s)
+            try:
+                await self.tide_once()
+            except Exception as e:  # a tide pass must never take the node down
+                log.warning("tide pass failed: %s", e)
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
