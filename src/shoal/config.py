@@ -336,6 +336,12 @@ class Settings:
                                        "multiple of RAM", number(0, lo_open=True))
     min_free_mb: int = setting(512, "admission", "refuse creates when available memory is below this (MiB)",
                                integer(0))
+    disk_overcommit: float = setting(0.0, "admission", "refuse creates when the disk_mb promised to a node's "
+                                     "sandboxes would exceed this multiple of its upper pool (1.0: every sandbox "
+                                     "can always write its whole disk_mb)", number(0), default_doc="0 (not checked)")
+    disk_reserve_mb: int = setting(0, "admission", "free space of the upper pool kept for sandboxes that write "
+                                   "little: under it creates are refused and the biggest writer is clamped (MiB)",
+                                   integer(0), default_doc="5% of the pool, at least 256")
     # ---- network
     net_leases: Path = setting(Path("/run/shoal/net-leases"), "network", "address leases of sandbox networks "
                                "(host-wide: every node on the host shares one bridge)", PATH)

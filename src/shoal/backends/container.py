@@ -352,6 +352,10 @@ class ContainerBackend(Backend):
         """Runtime name, cgroup path, and whether the disk limit is enforced."""
         out = {"runtime": rec.runtime, "cgroup": rec.cgroup,
                "disk_limit_enforced": bool(rec.extra.get("projid"))}
+        clamped = self.upper_pool.guard.clamped().get(rec.id) if rec.extra.get("projid") else None
+        if clamped is not None:
+            # the pool ran low: this sandbox may not grow past what it held then (shoal.node.disk_guard)
+            out["disk_clamped_mb"] = clamped
         # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
         out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
         return out

@@ -57,6 +57,10 @@ class UpperPool:
         self.reason = ""
         if not s.disk_limits:
             self.enforced, self.reason = False, "disk limits disabled by SHOAL_DISK_LIMITS=0"
+        from shoal.node.disk_guard import DiskGuard
+
+        #: admission against the pool and pressure relief (shoal.node.disk_guard)
+        self.guard = DiskGuard(self, s.disk_overcommit, s.disk_reserve_mb)
 
     def _lock(self) -> int:
         self.paths.locks.mkdir(parents=True, exist_ok=True)
@@ -125,7 +129,12 @@ class UpperPool:
             (base / "upper").mkdir(parents=True, exist_ok=True)
             (base / "work").mkdir(exist_ok=True)
             return base / "upper", base / "work", 0
-        fcntl.ioctl(self._fd, _SUBVOL_CREATE, _vol_args(sandbox_id))
+        self.guard.admit(sandbox_id, disk_mb)
+        try:
+            fcntl.ioctl(self._fd, _SUBVOL_CREATE, _vol_args(sandbox_id))
+        except BaseException:
+            self.guard.forget(sandbox_id)
+            raise
         base = self.mountpoint / sandbox_id
         try:
             sfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -144,8 +153,29 @@ class UpperPool:
         except BaseException:
             with contextlib.suppress(OSError):
                 fcntl.ioctl(self._fd, _SNAP_DESTROY, _vol_args(sandbox_id))
+            self.guard.forget(sandbox_id)
             raise
         return base / "upper", base / "work", subvol_id
+
+    def set_limit(self, subvol_id: int, limit_bytes: int) -> None:
+        """Change a sandbox subvolume's size limit (the disk guard clamps and releases with it)."""
+        if self._fd is None:
+            raise OSError("the upper pool is not mounted")
+        fcntl.ioctl(self._fd, _QGROUP_LIMIT,
+                    bytearray(struct.pack("=QQQQQQ", subvol_id, _LIMIT_MAX_RFER, limit_bytes, 0, 0, 0)))
+
+    def usage_all(self) -> dict[int, int]:
+        """Referenced bytes of every subvolume as of the last commit (id -> bytes)."""
+        if not self.ensure() or self._fd is None:
+            return {}
+        r = run_sync(["btrfs", "qgroup", "show", "--raw", "-re", str(self.mountpoint)], timeout=30)
+        out: dict[int, int] = {}
+        for line in r.stdout.decode().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].startswith("0/") and parts[1].isdigit():
+                with contextlib.suppress(ValueError):
+                    out[int(parts[0][2:])] = int(parts[1])
+        return out
 
     def sweep_orphans(self, sandboxes_dir: Path) -> int:
         """Delete subvolumes whose sandbox directory is gone (a crash before the first record, or a reboot:
@@ -207,6 +237,7 @@ class UpperPool:
         """Delete the sandbox's subvolume (and its qgroup once btrfs let go of it)."""
         if not subvol_id or not self.ensure() or self._fd is None:
             return
+        self.guard.forget(sandbox_id)
         try:
             fcntl.ioctl(self._fd, _SNAP_DESTROY, _vol_args(sandbox_id))
         except FileNotFoundError:
