@@ -26,6 +26,7 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
+from shoal.node import disk_guard
 from shoal.node.disk import UpperPool
 from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
@@ -103,6 +104,8 @@ class ContainerBackend(Backend):
         self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
         #: the agent and the masking files, on a tmpfs of their own (see shoal.backends.guestfs)
         self.guestfs = GuestFiles(ctx.paths, ctx.agent_binary)
+        #: keeps the upper pool's reserve for bystanders while this process has sandboxes (shoal.node.disk_guard)
+        self._disk_guard: asyncio.Task | None = None
 
     @property
     def statuses(self) -> dict[str, RuntimeStatus]:
@@ -144,6 +147,19 @@ class ContainerBackend(Backend):
         self._swap_cache[memory_mb] = (now, val)
         return val
 
+    def _ensure_guard(self) -> None:
+        # started by the first sandbox this process makes or reaches (one per node process)
+        if self._disk_guard is None:
+            self._disk_guard = asyncio.create_task(disk_guard.watch(self.upper_pool), name="shoal-disk-guard")
+
+    async def close(self) -> None:
+        """Stop this process's disk guard (sandboxes keep running; the next node process watches them)."""
+        if self._disk_guard is not None:
+            self._disk_guard.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._disk_guard
+            self._disk_guard = None
+
     def make_dir(self, d: Path) -> None:
         """Create the sandbox directory: on the node's tmpfs when the writable layer is on the upper pool
         (the layer itself must not live in memory), else on disk."""
@@ -169,6 +185,8 @@ class ContainerBackend(Backend):
             upper, work, projid = self.upper_pool.allocate(rec.id, spec.disk_mb)
             rec.extra["upper"] = str(upper)
             rec.extra["projid"] = projid
+            if projid:
+                self._ensure_guard()
             lowers = self.layer_mounts.acquire(image.layers, rec.id)
             helper = await self._mntns_helper() if rt.overlay_helper else None
             # the sandbox can read the overlay's options in /proc/self/mountinfo: name its directories
@@ -249,6 +267,8 @@ class ContainerBackend(Backend):
 
     async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
         """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
+        if rec.extra.get("projid"):
+            self._ensure_guard()
         task = self._connecting.pop(rec.id, None)
         if task is not None:
             try:

@@ -20,6 +20,7 @@ more than the pool (like memory, disk is oversubscribed). Three rules keep that 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -227,3 +228,33 @@ class DiskGuard:
     def clamped(self) -> dict[str, int]:
         """Sandboxes clamped now (id -> their limit in MiB)."""
         return self._read(self._clamps)
+
+
+def pool_sandboxes(sandboxes_dir: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """The live sandboxes with a writable layer on the pool: (id -> subvolume id, id -> disk_mb)."""
+    from shoal.node.records import list_records
+
+    subvols, limits = {}, {}
+    for rec in list_records(sandboxes_dir):
+        projid = int(rec.extra.get("projid") or 0)
+        if projid:
+            subvols[rec.id] = projid
+            limits[rec.id] = int(rec.spec.get("disk_mb") or 0)
+    return subvols, limits
+
+
+async def watch(pool: UpperPool) -> None:
+    """Run the guard for as long as the node process uses the pool (the container backend starts it
+    with its first sandbox and stops it when the node stops)."""
+    def live() -> tuple[dict[str, int], dict[str, int]]:
+        return pool_sandboxes(pool.paths.sandboxes)
+
+    while True:
+        await asyncio.sleep(GUARD_INTERVAL_S)
+        if not pool.enforced or pool._fd is None:
+            continue
+        try:
+            if pool.guard.under_pressure():  # inline: cheap; the work (qgroup show, clamps) in a thread
+                await asyncio.to_thread(pool.guard.check, live)
+        except Exception as e:  # the guard must never stop; the next round tries again
+            log.warning("disk guard: %s", e)

@@ -35,7 +35,6 @@ class Recovery:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._reaper: asyncio.Task[None] | None = None
-        self._disk_guard: asyncio.Task[None] | None = None
 
     # ---- adopt ---------------------------------------------------------------------------------
     def alive(self, rec: SandboxRecord) -> bool:
@@ -134,47 +133,17 @@ class Recovery:
         return n
 
     def start_reaper(self) -> None:
-        """Run `reap_once` in the background every `reap_interval_s` (longer when a scan is slow), and the
-        upper pool's disk guard (shoal.node.disk_guard)."""
+        """Run `reap_once` in the background every `reap_interval_s` (longer when a scan is slow)."""
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_loop(), name="shoal-reaper")
-        if self._disk_guard is None:
-            self._disk_guard = asyncio.create_task(self._disk_guard_loop(), name="shoal-disk-guard")
 
     async def stop_reaper(self) -> None:
-        """Stop the background reaper and the disk guard."""
-        for task in (self._reaper, self._disk_guard):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        self._reaper = self._disk_guard = None
-
-    def _pool_sandboxes(self) -> tuple[dict[str, int], dict[str, int]]:
-        # live container sandboxes on the upper pool: (id -> subvolume id, id -> disk_mb)
-        subvols, limits = {}, {}
-        for rec in list_records(self.node.paths.sandboxes):
-            projid = int(rec.extra.get("projid") or 0)
-            if projid and rec.backend == "container":
-                subvols[rec.id] = projid
-                limits[rec.id] = int(rec.spec.get("disk_mb") or 0)
-        return subvols, limits
-
-    async def _disk_guard_loop(self) -> None:
-        """Keep the upper pool's reserve for bystanders (shoal.node.disk_guard)."""
-        from shoal.node.disk_guard import GUARD_INTERVAL_S
-
-        while True:
-            await asyncio.sleep(GUARD_INTERVAL_S)
-            backend = self.node._backends.get("container")
-            pool = getattr(backend, "upper_pool", None)
-            if pool is None or not pool.enforced or pool._fd is None:
-                continue
-            try:
-                if pool.guard.under_pressure():  # inline: cheap; the work (qgroup show, clamps) in a thread
-                    await asyncio.to_thread(pool.guard.check, self._pool_sandboxes)
-            except Exception as e:  # the guard must never stop; the next round tries again
-                log.warning("disk guard: %s", e)
+        """Stop the background reaper."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reaper
+            self._reaper = None
 
     async def _reap_loop(self) -> None:
         interval = self.node.config.reap_interval_s
