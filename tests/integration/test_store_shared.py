@@ -298,3 +298,58 @@ def test_gc_on_one_node_never_deletes_a_layer_another_node_uses(store_root: Path
     rep = collect_garbage(store, paths_b, grace_s=0)
     assert rep.expired_leases == 1 and layer.digest in rep.removed_layers
     assert not store.has_layer(layer.digest)
+
+
+_BUILDER = r"""
+import asyncio, json, sys, time
+from pathlib import Path
+from shoal.config import NodeConfig, Paths
+from shoal.images.recipe import Recipe, Run, build_recipe
+from shoal.node.node import Node
+store_root, home, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+
+async def main():
+    node = Node(NodeConfig(paths=Paths(home=home, store=store_root), memory_overcommit=1000.0))
+    await node.start()
+    try:
+        while not go.exists():
+            await asyncio.sleep(0.005)
+        # not reproducible: two builds of this step would make two different layers
+        recipe = Recipe("built:1", base="bb:base", network=False, memory_mb=128,
+                        steps=[Run("date +%s%N > /stamp && sleep 1")])
+        img = await build_recipe(node, recipe)
+        print(json.dumps({"layers": [l.digest for l in img.layers],
+                          "cached": [h.get("cached") for h in img.lineage["steps"]]}))
+    finally:
+        await node.close_all()
+        await node.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_node_agents_building_one_recipe_at_once_build_each_step_once(store_root: Path, tmp_path: Path) -> None:
+    """Two node agents build the same recipe (a `run` step whose output differs per build) at once: one
+    builds the step, the other waits for its layer (a build claim in the store) — one layer, one image."""
+    from shoal.node.teardown import teardown_home
+    from tests.integration.storeutil import busybox_image
+
+    store = ImageStore(store_root)
+    busybox_image(store, "bb:base", tmp_path, filler_mib=1)
+    go = tmp_path / "go"
+    homes = [Path(tempfile.mkdtemp(prefix="shb-", dir="/tmp")) for _ in range(2)]
+    try:
+        outs = _race([[_BUILDER, str(store_root), str(h), str(go)] for h in homes], go, homes)
+    finally:
+        import asyncio
+        import shutil
+
+        for h in homes:
+            asyncio.run(teardown_home(Paths(home=h, store=store_root), close_sandboxes=True))
+            shutil.rmtree(h, ignore_errors=True)
+    assert outs[0]["layers"] == outs[1]["layers"], "both images end on the same step layer"
+    assert sorted(o["cached"][0] for o in outs) == [False, True], "the step ran once"
+    base_layers = {lay.digest for lay in store.resolve("bb:base").layers}
+    step_layers = [d for d in (p.stem for p in store.layers_dir.glob("*.json")) if f"sha256:{d}" not in base_layers]
+    assert len(step_layers) == 1, f"exactly one layer for the step: {step_layers}"
+    assert not list((store.cache_dir / "steps").glob("*.claim")), "claims are released"

@@ -249,6 +249,16 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
                 if not dry_run:
                     store.cache_remove(kind, key)
 
+    # build claims (shoal.images.claims) left by builders that died long ago
+    steps_dir = store.cache_dir / "steps"
+    if steps_dir.is_dir():
+        for p in steps_dir.glob("*.claim"):
+            if _older_than(p, cutoff):
+                report.removed_tmp += 1
+                if not dry_run:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+
     # orphans: data without metadata (a writer crashed between the two) and metadata without data
     for p in store.layers_dir.iterdir():
         name = p.name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,12 +190,41 @@ def pack_upper(store: ImageStore, upper: Path, source: dict[str, Any], compress:
     if clean:
         clean_upper(upper, network=network)
     tmp = store.tmp_dir / (tmp_name("upper-") + ".erofs")
+    local = None
     try:
-        build_erofs(upper, tmp, compress=compress, exclude=exclude, sparse=True)
+        if _on_fuse(store.tmp_dir):
+            # sparse (chunk-based) images are written with copy_file_range, which FUSE filesystems refuse
+            # across devices (EXDEV; mkfs.erofs reports EIO): build on local disk (not in the upper: its
+            # quota is the sandbox's), then copy in
+            local = Path("/var/tmp") / (tmp_name("upper-") + ".erofs")
+            build_erofs(upper, local, compress=compress, exclude=exclude, sparse=True)
+            shutil.copyfile(local, tmp)
+        else:
+            build_erofs(upper, tmp, compress=compress, exclude=exclude, sparse=True)
         return store.add_layer_file(tmp, source)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        for f in (tmp, local):
+            if f is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+
+
+FUSE_SUPER_MAGIC = 0x65735546
+
+
+def _on_fuse(path: Path) -> bool:
+    """True when `path` is on a FUSE filesystem (MooseFS, JuiceFS, 3FS' client …)."""
+    import ctypes
+    import ctypes.util
+
+    class _Statfs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    buf = _Statfs()
+    if libc.statfs(str(path).encode(), ctypes.byref(buf)) != 0:
+        return False
+    return (buf.f_type & 0xFFFFFFFF) == FUSE_SUPER_MAGIC
 
 
 def upper_is_empty(upper: Path, network: bool = False) -> bool:

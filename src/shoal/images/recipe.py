@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ImageBuildError, InvalidRequest, ShoalError
+from shoal.images.claims import CLAIM_TTL_S, Claim, break_stale
+from shoal.images.claims import age_s as claim_age_s
 from shoal.images.pack import pack_upper, upper_is_empty
 from shoal.images.refs import parse_ref
 from shoal.images.store import Image, ImageConfig, ImageStore
@@ -461,8 +463,13 @@ async def build_recipe(node: Node, recipe: Recipe, *, no_cache: bool = False,
             copy_dir, copy_name = _copy_target(step, cfg.workdir)
             network = False  # copying needs no network
         key = step_key(layers, cfg, step, network, content, copy_dir, copy_name)
-        hit = None if no_cache else store.cache_get(STEP_CACHE, key)
-        if hit is not None and "layer" in hit and (hit["layer"] is None or _has(store, hit["layer"])):
+        claim = None
+        if no_cache:
+            hit = None
+        else:
+            # another node agent on this store may be building the very same step: wait for its layer
+            hit, claim = await _cached_or_claim(store, key, head, log)
+        if hit is not None:
             lay = hit["layer"]
             if lay:
                 store.touch_layer(lay)
@@ -473,9 +480,13 @@ async def build_recipe(node: Node, recipe: Recipe, *, no_cache: bool = False,
             continue
         log(head)
         t_step = time.monotonic()
-        layer = await _build_step(node, recipe, i, step, layers, cfg, network, log, copy_dir, copy_name)
-        store.cache_put(STEP_CACHE, key, {"layer": layer, "step": step.describe(), "created": time.time(),
-                                          "seconds": round(time.monotonic() - t_step, 3)})
+        try:
+            layer = await _build_step(node, recipe, i, step, layers, cfg, network, log, copy_dir, copy_name)
+            store.cache_put(STEP_CACHE, key, {"layer": layer, "step": step.describe(), "created": time.time(),
+                                              "seconds": round(time.monotonic() - t_step, 3)})
+        finally:
+            if claim is not None:
+                await claim.release()
         if layer:
             layers.append(layer)
         built += 1
@@ -486,6 +497,38 @@ async def build_recipe(node: Node, recipe: Recipe, *, no_cache: bool = False,
     log(f"built {img.ref} {img.digest[:19]}: {len(img.layers)} layers, {built} steps run, {cached} cached, "
         f"{time.monotonic() - t0:.1f}s")
     return img
+
+
+def _usable(store: ImageStore, hit: dict[str, Any] | None) -> bool:
+    return hit is not None and "layer" in hit and (hit["layer"] is None or _has(store, hit["layer"]))
+
+
+async def _cached_or_claim(store: ImageStore, key: str, head: str, log: Callable[[str], None]
+                           ) -> tuple[dict[str, Any] | None, Claim | None]:
+    """(the step's cache entry, None) — maybe after waiting for another node that builds it — or
+    (None, a claim of ours) when this node is to build it (shoal.images.claims)."""
+    path = store.cache_dir / STEP_CACHE / f"{key}.claim"
+    waited = False
+    while True:
+        hit = store.cache_get(STEP_CACHE, key)
+        if _usable(store, hit):
+            return hit, None
+        claim = await asyncio.to_thread(Claim.try_take, path)
+        if claim is not None:
+            hit = store.cache_get(STEP_CACHE, key)  # it may have landed between the two looks
+            if _usable(store, hit):
+                await claim.release()
+                return hit, None
+            claim.start_heartbeat()
+            return None, claim
+        age = await asyncio.to_thread(claim_age_s, path)
+        if age is not None and age > CLAIM_TTL_S:
+            await asyncio.to_thread(break_stale, path)  # its builder died: take over
+            continue
+        if not waited:
+            log(f"{head}  (another node agent is building this step: waiting for its layer)")
+            waited = True
+        await asyncio.sleep(0.5)
 
 
 def _has(store: ImageStore, digest: Any) -> bool:
