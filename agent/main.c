@@ -44,6 +44,7 @@ static void usage(void)
 {
 	fprintf(stderr,
 	        "usage: shoal-agent (--listen-fd N | --listen PATH | --serial DEVICE) [--token-file PATH]\n"
+	        "                   [--child-oom-score-adj N]\n"
 	        "The in-sandbox agent of shoal; the protocol is described in docs/protocol.md.\n");
 }
 
@@ -290,6 +291,14 @@ int main(int argc, char **argv)
 			i++;
 		} else if (strcmp(a, "--token-file") == 0 && v) {
 			token_file = v;
+			i++;
+		} else if (strcmp(a, "--child-oom-score-adj") == 0 && v) {
+			/* The node may lower the agent's own score after start (it must survive an OOM in
+			 * its sandbox); what the agent runs gets this one instead of inheriting that. */
+			if (spawn_set_child_oom_score_adj(v) < 0) {
+				usage();
+				return 2;
+			}
 			i++;
 		} else if (strcmp(a, "--version") == 0) {
 			printf("%s\n", AGENT_NAME);

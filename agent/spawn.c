@@ -22,6 +22,19 @@
 extern char **environ;
 
 struct rlimit g_orig_nofile;
+static char g_child_oom[8];
+static size_t g_child_oom_len;
+
+int spawn_set_child_oom_score_adj(const char *v)
+{
+	char *end;
+	errno = 0;
+	long n = strtol(v, &end, 10);
+	if (errno || *end || end == v || n < -1000 || n > 1000)
+		return -1;
+	g_child_oom_len = (size_t)snprintf(g_child_oom, sizeof g_child_oom, "%ld", n);
+	return 0;
+}
 /* Signals whose disposition is not SIG_DFL in the agent (SIGPIPE, anything inherited as
  * ignored): the only ones a child has to reset, instead of 64 syscalls per spawn. */
 static unsigned char g_sig_nondefault[NSIG];
@@ -261,6 +274,16 @@ static int child_main(void *arg)
 	syscall(SYS_close_range, (unsigned)r->nfds, ~0u, 0u);
 
 	setrlimit(RLIMIT_NOFILE, &g_orig_nofile);
+
+	if (g_child_oom_len) {
+		/* Raising a score needs no privilege; a failure (no /proc) leaves the inherited one. */
+		int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			ssize_t w = write(fd, g_child_oom, g_child_oom_len);
+			(void)w;
+			close(fd);
+		}
+	}
 
 	if (o->has_user) {
 		const struct user_info *u = &o->user;

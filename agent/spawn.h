@@ -40,6 +40,8 @@ pid_t spawn_process(struct spawn_req *r);
 void spawn_error(const struct spawn_req *r, const char **code, char *msg, size_t msglen);
 
 extern struct rlimit g_orig_nofile;
+/* oom_score_adj written by every child before exec ("-1000".."1000"); -1 for a bad value. */
+int spawn_set_child_oom_score_adj(const char *v);
 /* Call once after the agent's own signal setup. */
 void spawn_init(void);
 

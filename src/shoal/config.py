@@ -332,10 +332,22 @@ class Settings:
                           BOOL)
     sh: bool = setting(False, "node", "string commands run with /bin/sh -c instead of /bin/bash -c", BOOL)
     # ---- admission
-    memory_overcommit: float = setting(4.0, "admission", "refuse creates when promised memory exceeds this "
-                                       "multiple of RAM", number(0, lo_open=True))
-    min_free_mb: int = setting(512, "admission", "refuse creates when available memory is below this (MiB)",
-                               integer(0))
+    memory_overcommit: float = setting(1000.0, "admission", "commitment policy: refuse creates when the memory "
+                                       "promised to sandboxes (their memory_mb) passes this multiple of RAM; the "
+                                       "default leaves it to measured use, 4 or 1 tighten it",
+                                       number(0, lo_open=True))
+    min_free_mb: int = setting(512, "admission", "watermark: refuse creates (after pausing idle sandboxes) when "
+                               "available memory minus what creates in flight are expected to take would fall "
+                               "below this (MiB)", integer(0))
+    admission_psi_full: float = setting(20.0, "admission", "refuse creates while all tasks were stalled on memory "
+                                        "more than this % of the last 10 s (PSI full avg10); 0 = ignore PSI",
+                                        number(0, 100))
+    host_reserve_mb: int = setting(0, "admission", "memory the sandboxes' parent cgroup leaves to the host and the "
+                                   "node agent (MiB); 0 = 1/16 of RAM, 1-8 GiB", integer(0))
+    node_oom_score_adj: int = setting(-1000, "admission", "OOM score the node agent gives itself (-1000 = never "
+                                      "killed; needs CAP_SYS_RESOURCE)", integer(-1000, 1000))
+    node_memory_min_mb: int = setting(256, "admission", "cgroup v2: memory.min of the node agent's own cgroup "
+                                      "(MiB; 0 = none)", integer(0))
     disk_overcommit: float = setting(0.0, "admission", "refuse creates when the disk_mb promised to a node's "
                                      "sandboxes would exceed this multiple of its upper pool (1.0: every sandbox "
                                      "can always write its whole disk_mb)", number(0), default_doc="0 (not checked)")
@@ -783,8 +795,18 @@ class NodeConfig:
     create_concurrency: int = 32
     #: refuse new sandboxes when committed memory exceeds this multiple of host RAM
     memory_overcommit: float = field(default_factory=lambda: settings().memory_overcommit)
-    #: refuse new sandboxes when the host's available memory falls below this (MiB)
+    #: refuse new sandboxes when the host's available memory would fall below this (MiB)
     min_free_memory_mb: int = field(default_factory=lambda: settings().min_free_mb)
+    #: refuse new sandboxes while PSI memory full avg10 is above this (percent; 0 = ignore PSI)
+    admission_psi_full: float = field(default_factory=lambda: settings().admission_psi_full)
+    #: memory kept out of the sandboxes' parent cgroup for the host and the node (MiB; 0 = auto)
+    host_reserve_mb: int = field(default_factory=lambda: settings().host_reserve_mb)
+    #: the node agent's own OOM score (None: leave it); see shoal.node.protect
+    node_oom_score_adj: int | None = field(default_factory=lambda: settings().node_oom_score_adj)
+    #: cgroup v2: memory.min of the node agent's own cgroup (MiB)
+    node_memory_min_mb: int = field(default_factory=lambda: settings().node_memory_min_mb)
+    #: protect the host at start (sandboxes' parent cgroup limit, OOM scores); off for unit tests' fake nodes
+    protect_host: bool = True
     #: how often the reaper looks for expired or dead sandboxes (seconds)
     reap_interval_s: float = 2.0
     #: largest file read_file returns in one call (bytes)
@@ -807,6 +829,8 @@ class NodeConfig:
         """A NodeConfig whose fields come from `s` (keyword arguments win)."""
         kw: dict[str, Any] = {"paths": s.paths(), "node_id": s.node_id, "runtime": s.runtime,
                               "memory_overcommit": s.memory_overcommit, "min_free_memory_mb": s.min_free_mb,
+                              "admission_psi_full": s.admission_psi_full, "host_reserve_mb": s.host_reserve_mb,
+                              "node_oom_score_adj": s.node_oom_score_adj, "node_memory_min_mb": s.node_memory_min_mb,
                               "reclaim_on_pause": s.reclaim, "prefetch_on_resume": s.prefetch,
                               "zram_swap": s.zram_swap, "warm_pool": dict(s.warm_pool), "posix_sh": s.sh,
                               "fake_backend": s.fake_backend}

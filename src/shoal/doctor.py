@@ -92,6 +92,24 @@ def check_swap() -> Check:
     return Check("swap", True, f"{devs}: paused sandboxes' memory can be reclaimed")
 
 
+def check_oom_protection() -> Check:
+    """Can the node keep itself and the host out of the OOM killer's reach (shoal.node.protect)?"""
+    from shoal.host import oom
+    from shoal.host.memory import psi
+
+    mode = cgroups.cgroup_mode()
+    parts = ["sandboxes' parent cgroup limited to RAM minus a reserve"]
+    fix = ""
+    if oom.can_lower():
+        parts.append("node agent at oom_score_adj -1000")
+    else:
+        parts.append("no CAP_SYS_RESOURCE: the node agent cannot lower its OOM score (sandboxes run at 500)")
+        fix = "run the node agent with CAP_SYS_RESOURCE (e.g. not inside a container that drops it)"
+    parts.append("memory.min for the node's cgroup" if mode == "v2" else f"cgroup {mode}: no memory.min (v2 only)")
+    parts.append("PSI memory pressure read" if psi("memory") is not None else "no PSI: pressure not measured")
+    return Check("oom-protection", oom.can_lower(), "; ".join(parts), fix)
+
+
 def check_kvm() -> Check:
     """Is KVM usable for the microvm/vm backends (not just present)?"""
     from shoal.host.kvm import kvm_status
@@ -136,6 +154,7 @@ def run_checks(paths: Paths | None = None, fix: bool = False) -> list[Check]:
         out.append(Check("agent", False, str(e), "make agent"))
     out.append(check_disk_limits())
     out.append(check_swap())
+    out.append(check_oom_protection())
     out.append(check_kvm())
     for tool, pkg in [("mmdebstrap", "mmdebstrap"), ("qemu-system-x86_64", "qemu-system-x86"),
                       ("skopeo", "skopeo"), ("nft", "nftables"), ("ip", "iproute2")]:

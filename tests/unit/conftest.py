@@ -38,7 +38,8 @@ def add_image(store: ImageStore, ref: str, files: dict[str, str | bytes], *, wor
 
 def fake_config(home: Path, **kw: object) -> NodeConfig:
     """A node config on a private home and store, with the fake backend enabled."""
-    cfg = NodeConfig(paths=Paths(home=home / "home", store=home / "store"), fake_backend=True, zram_swap=None)
+    cfg = NodeConfig(paths=Paths(home=home / "home", store=home / "store"), fake_backend=True, zram_swap=None,
+                     protect_host=False)
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg

@@ -39,7 +39,7 @@ def test_defaults_when_nothing_is_set() -> None:
     s = Settings.load(env={})
     assert s.home == Path("/var/lib/shoal") and s.source("home") == "default"
     assert s.store == Path("/var/lib/shoal/store") and s.source("store") == "default"
-    assert s.memory_overcommit == 4.0 and s.reclaim is True and s.warm_pool == {}
+    assert s.memory_overcommit == 1000.0 and s.reclaim is True and s.warm_pool == {}
     assert s.file is None and not s.is_set("memory_overcommit")
 
 
@@ -83,7 +83,7 @@ def test_default_file_is_read_when_present(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_empty_variable_means_unset_except_where_empty_is_a_value() -> None:
     s = Settings.load(env={"SHOAL_MEMORY_OVERCOMMIT": "", "SHOAL_FNCALL_PRELOAD": ""})
-    assert s.memory_overcommit == 4.0 and s.source("memory_overcommit") == "default"
+    assert s.memory_overcommit == 1000.0 and s.source("memory_overcommit") == "default"
     assert s.fncall_preload == () and s.source("fncall_preload") == "env"  # "preload nothing"
     assert Settings.load(env={}).fncall_preload is None
 
@@ -165,7 +165,7 @@ def test_bad_value_fails_when_a_node_config_is_made(monkeypatch: pytest.MonkeyPa
 def test_unknown_variable_warns_with_suggestion() -> None:
     with pytest.warns(UnknownSettingWarning, match="SHOAL_MEMORY_OVERCOMIT .*did you mean SHOAL_MEMORY_OVERCOMMIT"):
         s = Settings.load(env={"SHOAL_MEMORY_OVERCOMIT": "8"})
-    assert s.memory_overcommit == 4.0
+    assert s.memory_overcommit == 1000.0
     seen: list[str] = []
     Settings.load(env={"SHOAL_NOT_A_THING": "1"}, warn=seen.append)
     assert len(seen) == 1 and "SHOAL_NOT_A_THING is set but is not a shoal setting" in seen[0]
@@ -198,7 +198,7 @@ def test_node_config_reads_settings_when_made_not_at_import(monkeypatch: pytest.
     s = Settings.load(env={"SHOAL_HOME": "/srv/n", "SHOAL_MIN_FREE_MB": "64"})
     c = NodeConfig.from_settings(s, runtime="runc")
     assert c.paths == Paths(Path("/srv/n"), Path("/srv/n/store")) and c.min_free_memory_mb == 64
-    assert c.runtime == "runc" and c.memory_overcommit == 4.0
+    assert c.runtime == "runc" and c.memory_overcommit == 1000.0
 
 
 # ---- the model itself ------------------------------------------------------------------------------

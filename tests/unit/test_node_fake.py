@@ -128,6 +128,7 @@ async def test_admission_refusals_and_releases(fake_home: Path) -> None:
         with pytest.raises(CapacityExceeded) as ei:
             await node.create(spec(memory_mb=64))
         assert ei.value.details["committed_mb"] == 64 and ei.value.details["limit_mb"] == 100
+        assert ei.value.details["reason"] == "promised"
         assert ei.value.http_status == 429
         snap = node.admission.snapshot()
         assert (snap.committed_mb, snap.limit_mb, snap.free_mb, snap.pending) == (64, 100, 36, 0)
@@ -151,7 +152,7 @@ async def test_admission_refusals_and_releases(fake_home: Path) -> None:
         await node.close_all()
         await node.stop()
     node = Node(fake_config(fake_home, min_free_memory_mb=1 << 30))
-    with pytest.raises(CapacityExceeded, match="free on this node"):
+    with pytest.raises(CapacityExceeded, match="available on this node"):
         await node.create(spec())
 
 

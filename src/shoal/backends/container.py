@@ -24,6 +24,7 @@ from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
+from shoal.host.oom import protect_agent
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
 from shoal.node import disk_guard
@@ -239,6 +240,8 @@ class ContainerBackend(Backend):
             pid = int((d / "init.pid").read_text().strip())
             rec.init_pid = pid
             rec.init_start = proc_starttime(pid) or 0
+            # the agent must outlive an OOM in its own sandbox: what it runs dies instead (shoal.host.oom)
+            protect_agent(pid)
             # the runtime keeps its own copy of the config; these would only take memory on a tmpfs
             for name in ("init.pid", "config.json"):
                 with contextlib.suppress(OSError):

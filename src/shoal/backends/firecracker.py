@@ -34,6 +34,7 @@ from shoal.backends.base import Backend, Capability
 from shoal.backends.qemu import console_tail, kill_and_wait
 from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
+from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.images.store import Image
 from shoal.models import SandboxSpec
 from shoal.node.records import SandboxRecord, proc_starttime
@@ -138,7 +139,9 @@ class FirecrackerBackend(Backend):
             rec.extra.update(vmm="firecracker", machine="firecracker", accel="kvm", env=env)
             rec.save()
             # setsid -f: Firecracker must outlive this process (crash-only), so it is nobody's child
-            shell = (f'echo $$ > "{f["pid"]}"; exec "{self.binary}" --api-sock "{f["api"]}" --id "{rec.id[-60:]}" '
+            # (at the sandboxes' OOM score, not the node agent's: shoal.host.oom)
+            shell = (f'echo $$ > "{f["pid"]}"; echo {SANDBOX_OOM_SCORE_ADJ} > /proc/self/oom_score_adj 2>/dev/null; '
+                     f'exec "{self.binary}" --api-sock "{f["api"]}" --id "{rec.id[-60:]}" '
                      f'>> "{f["console"]}" 2>&1 < /dev/null')
             r = await run(["setsid", "-f", "/bin/sh", "-c", shell], timeout=10)
             if r.returncode != 0:

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from shoal.backends.seccomp import default_profile
+from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 
 # The capability set Docker grants by default; nothing beyond it (no SYS_ADMIN, SYS_PTRACE, NET_ADMIN).
 DEFAULT_CAPS = [
@@ -32,19 +33,6 @@ READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysr
 
 AGENT_DIR_IN_SANDBOX = "/.shoal"
 AGENT_PATH_IN_SANDBOX = "/.shoal/shoal-agent"
-
-
-@functools.cache
-def _has_cap_sys_resource() -> bool:
-    # capabilities of the node process do not change while it runs
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> 24 & 1)
-    except OSError:
-        pass
-    return False
 
 
 def _nofile() -> int:
@@ -161,17 +149,18 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     process: dict[str, Any] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},
-        "args": [AGENT_PATH_IN_SANDBOX, "--listen-fd", "3", *(agent_args or [])],
+        "args": [AGENT_PATH_IN_SANDBOX, "--listen-fd", "3", "--child-oom-score-adj", str(SANDBOX_OOM_SCORE_ADJ),
+                 *(agent_args or [])],
         "env": [f"{k}={v}" for k, v in env.items()],
         "cwd": "/",
         "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted")},
         "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _nofile(), "soft": _nofile()}],
         "noNewPrivileges": True,
     }
-    if _has_cap_sys_resource():
-        # the agent must outlive an OOM inside the sandbox (lowering the score needs CAP_SYS_RESOURCE;
-        # without it the agent's tiny RSS already makes it the OOM killer's last choice)
-        process["oomScoreAdj"] = -998
+    # Every process of the sandbox starts at 500: in an OOM shared with the host, sandbox processes go
+    # first. The runtime's (privileged) write also makes 500 their floor, so none can lower itself. The
+    # node lowers the agent alone after start; the agent puts what it runs back at 500 (shoal.host.oom).
+    process["oomScoreAdj"] = SANDBOX_OOM_SCORE_ADJ
     linux: dict[str, Any] = {
         "cgroupsPath": cgroups_path,
         "resources": resources,

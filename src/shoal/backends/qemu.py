@@ -31,6 +31,7 @@ from typing import Any
 
 from shoal.config import settings
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
+from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.node.records import proc_starttime
 
 QEMU_BIN = "qemu-system-x86_64"
@@ -201,7 +202,9 @@ def console_fatal(d: Path) -> str | None:
 # `setsid -f` forks, so QEMU is nobody's child (it outlives this process) and leads its own session; the
 # shell records its own pid (which exec makes QEMU's) before anything can fail. QEMU's -daemonize is not
 # used: its fork+setsid happen after the seccomp filter is installed, which then forbids them.
-_LAUNCH = 'echo $$ > "$1"; log="$2"; shift 2; exec "$@" >> "$log" 2>&1 < /dev/null'
+# (a VM is a sandbox: its QEMU runs at the sandboxes' OOM score, not the node agent's, see shoal.host.oom)
+_LAUNCH = ('echo $$ > "$1"; log="$2"; echo "$3" > /proc/self/oom_score_adj 2>/dev/null; shift 3; '
+           'exec "$@" >> "$log" 2>&1 < /dev/null')
 
 
 async def launch(argv: list[str], d: Path, timeout: float = 60.0) -> tuple[int, int]:
@@ -210,7 +213,8 @@ async def launch(argv: list[str], d: Path, timeout: float = 60.0) -> tuple[int, 
 
     f = sandbox_files(d)
     log = d / "qemu.log"
-    r = await run(["setsid", "-f", "/bin/sh", "-c", _LAUNCH, "sh", str(f["pid"]), str(log), *argv], timeout=30)
+    r = await run(["setsid", "-f", "/bin/sh", "-c", _LAUNCH, "sh", str(f["pid"]), str(log),
+                   str(SANDBOX_OOM_SCORE_ADJ), *argv], timeout=30)
     if r.returncode != 0:
         raise SandboxError(f"could not start QEMU: {r.stderr.decode(errors='replace').strip()[-500:]}")
     deadline = time.monotonic() + timeout

@@ -1,7 +1,22 @@
 """Admission at the node: the node has the final say on whether a new sandbox fits (as in DSec's edge).
 
-Memory is oversubscribed on purpose (90% of agent sandboxes idle), but bounded: the node refuses
-when promised memory passes `memory_overcommit` × RAM, or when little memory is actually free.
+A sandbox's `memory_mb` is its *limit* (the cgroup enforces it), not what it uses: an idle agent sandbox
+costs about a mebibyte, and 90% of them idle. So admission goes by what is **measured**, and keeps a
+**commitment policy** users can tighten:
+
+* **measured** — the host's available memory (MemAvailable: free + reclaimable page cache and slab), minus
+  what the creates already in flight are expected to take, minus what this one is expected to take, must
+  stay above the watermark `SHOAL_MIN_FREE_MB`. "Expected" is the working set new sandboxes of this node
+  actually reach (`note_usage`, fed by the node's pressure monitor from their cgroups), capped at their
+  limit. While tasks stall on memory (PSI `full avg10` over `SHOAL_ADMISSION_PSI_FULL` %), creates are
+  refused too: the host is thrashing.
+* **promised** — the sum of `memory_mb` of live sandboxes may not pass `SHOAL_MEMORY_OVERCOMMIT` × RAM.
+  The default (1000) leaves the decision to measurement; `4` refuses past four times RAM, `1` never
+  promises more than the host has.
+
+Before the node turns a create away for measured memory it pauses and reclaims its longest-idle
+sandboxes (shoal.node.pressure); refusals (CapacityExceeded, HTTP 429 with Retry-After) name the reason
+in `details["reason"]` ("promised", "memory", "pressure") and say what to do.
 
     res = node.admission.reserve(spec)      # CapacityExceeded when it does not fit
     ... start the sandbox ...
@@ -18,11 +33,12 @@ again — which is what lets preemption and compute tides (shoal.node.scheduling
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import CapacityExceeded
+from shoal.host.memory import MemorySample, sample
 
 if TYPE_CHECKING:
     from shoal.config import NodeConfig
@@ -30,28 +46,24 @@ if TYPE_CHECKING:
 
 
 def meminfo() -> dict[str, int]:
-    """/proc/meminfo in KiB."""
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            parts = v.split()
-            if parts and parts[0].isdigit():
-                out[k] = int(parts[0])
-    return out
+    """/proc/meminfo in KiB (kept here for callers of the old location; see shoal.host.memory)."""
+    from shoal.host.memory import meminfo as _meminfo
 
-
-_MEMINFO_TTL_S = 0.05
-_cached: tuple[float, dict[str, int]] = (-1.0, {})
+    return _meminfo()
 
 
 def _recent_meminfo() -> dict[str, int]:
-    # a burst asks for admission hundreds of times a second; /proc/meminfo 20 times a second is enough
-    global _cached
-    now = time.monotonic()
-    if now - _cached[0] > _MEMINFO_TTL_S:
-        _cached = (now, meminfo())
-    return _cached[1]
+    """MemTotal and MemAvailable (KiB) of a recent sample (for callers of the old helper)."""
+    s = sample()
+    return {"MemTotal": s.total_mb * 1024, "MemAvailable": s.available_mb * 1024}
+
+
+#: what a new sandbox is expected to take before any has been measured (MiB): an idle container is ~1-2
+DEFAULT_EXPECTED_MB = 8.0
+#: the expected working set never counts less than this (MiB)
+MIN_EXPECTED_MB = 2.0
+#: weight of a new usage sample in the running estimate
+_EWMA = 0.05
 
 
 @dataclass(frozen=True)
@@ -60,11 +72,11 @@ class AdmissionSnapshot:
 
     #: memory promised to live sandboxes of this node process, plus reservations in flight
     committed_mb: int
-    #: the refusal threshold: memory_overcommit × RAM
+    #: the promise limit: memory_overcommit × RAM
     limit_mb: int
-    #: limit − committed: the largest memory_mb a new sandbox may ask for now (0 when full)
+    #: limit − committed: the largest memory_mb the promise policy still allows (0 when full)
     free_mb: int
-    #: the host's MemAvailable; new sandboxes are refused below min_free_mb
+    #: the host's MemAvailable; new sandboxes are refused when it would fall below min_free_mb
     available_mb: int
     min_free_mb: int
     total_mb: int
@@ -77,6 +89,16 @@ class AdmissionSnapshot:
     #: memory promised to paused sandboxes (not counted in committed_mb: reclaimed while paused)
     paused_mb: int = 0
     paused: int = 0
+    #: what one more sandbox is expected to take (measured working sets), MiB
+    expected_mb: float = DEFAULT_EXPECTED_MB
+    #: available − min_free − what reservations in flight are expected to take
+    headroom_mb: int = 0
+    #: how many more sandboxes of the expected size measured admission would take now
+    room: int = 0
+    #: PSI memory: % of the last 10 s some / all non-idle tasks stalled on memory (None without PSI)
+    psi_some10: float | None = None
+    psi_full10: float | None = None
+    psi_full_limit: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -86,10 +108,12 @@ class AdmissionSnapshot:
 class Reservation:
     """Memory held for one sandbox being made; `commit` hands it to the sandbox, `release` gives it back."""
 
-    def __init__(self, admission: Admission, memory_mb: int, cpus: float) -> None:
+    def __init__(self, admission: Admission, memory_mb: int, cpus: float, expected_mb: float = 0.0) -> None:
         self.admission = admission
         self.memory_mb = memory_mb
         self.cpus = cpus
+        #: what measured admission set aside for it until it shows up in the host's figures
+        self.expected_mb = expected_mb
         self.sandbox_id: str | None = None
         self.done = False
 
@@ -114,52 +138,111 @@ class Reservation:
 
 
 class Admission:
-    """Counts what this node promised (memory, CPUs) and refuses what would not fit."""
+    """Counts what this node promised (memory, CPUs), watches what is used, and refuses what would not fit.
 
-    def __init__(self, config: NodeConfig) -> None:
+    `sampler` returns the host's memory (shoal.host.memory.sample); unit tests pass their own."""
+
+    def __init__(self, config: NodeConfig, sampler: Callable[[], MemorySample] | None = None) -> None:
         self.config = config
+        self.sampler = sampler or sample
         self._live: dict[str, tuple[int, float]] = {}
         self._pending_mb = 0
         self._pending_cpus = 0.0
         self._pending = 0
+        self._pending_expected = 0.0
         self._committed_mb = 0
         self._committed_cpus = 0.0
         #: paused sandboxes: id -> memory_mb (in _live, but not in _committed_mb)
         self._paused: dict[str, int] = {}
+        self._expected = DEFAULT_EXPECTED_MB
+        self._samples = 0
+
+    # ---- policy knobs (from the node's config) ----------------------------------------------------
+    @property
+    def psi_full_limit(self) -> float:
+        """Refuse while PSI memory full avg10 is above this (percent); 0 = ignore PSI."""
+        return float(getattr(self.config, "admission_psi_full", 0.0) or 0.0)
 
     @property
     def committed_mb(self) -> int:
         """Memory promised to live sandboxes and reservations in flight (MiB)."""
         return self._committed_mb + self._pending_mb
 
-    def reserve(self, spec: Any) -> Reservation:
-        """Hold `spec.memory_mb` for a sandbox about to be made; CapacityExceeded (HTTP 429 with
-        Retry-After) when it does not fit on this node now."""
-        mem, cpus = int(spec.memory_mb), float(spec.cpus)
-        info = _recent_meminfo()
-        total_mb = info.get("MemTotal", 0) // 1024
-        avail_mb = info.get("MemAvailable", 0) // 1024
+    # ---- measured working sets ----------------------------------------------------------------------
+    def note_usage(self, used_mb: float) -> None:
+        """One measured working set of a running sandbox (its cgroup's memory, MiB): the estimate of what
+        a new sandbox takes follows these (a running average, never under MIN_EXPECTED_MB)."""
+        used_mb = max(0.0, float(used_mb))
+        if self._samples == 0:
+            self._expected = used_mb
+        else:
+            self._expected += _EWMA * (used_mb - self._expected)
+        self._samples += 1
+
+    def expected_mb(self, memory_mb: int | None = None) -> float:
+        """What one more sandbox is expected to take (MiB), at most its limit `memory_mb`."""
+        e = max(MIN_EXPECTED_MB, self._expected)
+        return min(e, float(memory_mb)) if memory_mb else e
+
+    def headroom_mb(self, s: MemorySample | None = None) -> float:
+        """Available memory above the watermark once reservations in flight are paid for (MiB)."""
+        s = s or self.sampler()
+        return s.available_mb - self.config.min_free_memory_mb - self._pending_expected
+
+    # ---- reserve / release --------------------------------------------------------------------------
+    def check(self, spec: Any, s: MemorySample | None = None) -> CapacityExceeded | None:
+        """The refusal a create of `spec` would get now, or None when it fits (nothing is reserved)."""
+        mem = int(spec.memory_mb)
+        s = s or self.sampler()
         cfg = self.config
-        limit_mb = int(total_mb * cfg.memory_overcommit)
+        limit_mb = int(s.total_mb * cfg.memory_overcommit)
         committed = self.committed_mb
         if committed + mem > limit_mb:
-            raise CapacityExceeded(
-                f"node memory commitment would reach {committed + mem} MiB, over its limit "
-                f"of {limit_mb} MiB ({cfg.memory_overcommit}x RAM); close sandboxes or ask for less memory_mb",
-                retry_after_s=2.0, committed_mb=committed, limit_mb=limit_mb)
-        if avail_mb < cfg.min_free_memory_mb:
-            raise CapacityExceeded(
-                f"only {avail_mb} MiB of memory is free on this node (minimum {cfg.min_free_memory_mb} MiB); "
-                "retry later", retry_after_s=5.0, available_mb=avail_mb)
+            return CapacityExceeded(
+                f"node memory commitment would reach {committed + mem} MiB, over its limit of {limit_mb} MiB "
+                f"(SHOAL_MEMORY_OVERCOMMIT={cfg.memory_overcommit:g} × RAM); close sandboxes, ask for less "
+                "memory_mb, or raise SHOAL_MEMORY_OVERCOMMIT (memory use is measured either way)",
+                retry_after_s=2.0, reason="promised", committed_mb=committed, limit_mb=limit_mb)
+        limit = self.psi_full_limit
+        if limit > 0 and s.psi_full10 is not None and s.psi_full10 > limit:
+            return CapacityExceeded(
+                f"memory pressure on this node: all its tasks were stalled waiting for memory {s.psi_full10:.0f}% "
+                f"of the last 10 s (limit {limit:g}%, SHOAL_ADMISSION_PSI_FULL); retry in a few seconds, "
+                "close or pause sandboxes, or create on another node",
+                retry_after_s=5.0, reason="pressure", psi_full10=s.psi_full10, available_mb=s.available_mb)
+        exp = self.expected_mb(mem)
+        head = self.headroom_mb(s)
+        if head - exp < 0:
+            inflight = f" and {self._pending} creates in flight expected to take {self._pending_expected:.0f} MiB" \
+                if self._pending else ""
+            return CapacityExceeded(
+                f"only {s.available_mb} MiB of memory is available on this node{inflight}; a new sandbox is expected "
+                f"to take {exp:.0f} MiB and {cfg.min_free_memory_mb} MiB must stay free (SHOAL_MIN_FREE_MB). "
+                "Idle sandboxes were paused first (see details); close or pause sandboxes, retry later, "
+                "or create on another node",
+                retry_after_s=5.0, reason="memory", available_mb=s.available_mb,
+                min_free_mb=cfg.min_free_memory_mb, expected_mb=round(exp, 1), pending=self._pending)
+        return None
+
+    def reserve(self, spec: Any) -> Reservation:
+        """Hold `spec.memory_mb` (promised) and its expected working set (measured) for a sandbox about to
+        be made; CapacityExceeded (HTTP 429 with Retry-After) when it does not fit on this node now."""
+        err = self.check(spec)
+        if err is not None:
+            raise err
+        mem, cpus = int(spec.memory_mb), float(spec.cpus)
+        exp = self.expected_mb(mem)
         self._pending_mb += mem
         self._pending_cpus += cpus
         self._pending += 1
-        return Reservation(self, mem, cpus)
+        self._pending_expected += exp
+        return Reservation(self, mem, cpus, exp)
 
     def _settle(self, res: Reservation, sandbox_id: str | None) -> None:
         self._pending_mb -= res.memory_mb
         self._pending_cpus -= res.cpus
         self._pending -= 1
+        self._pending_expected = max(0.0, self._pending_expected - res.expected_mb) if self._pending else 0.0
         if sandbox_id is not None:
             self._add(sandbox_id, res.memory_mb, res.cpus)
 
@@ -214,14 +297,18 @@ class Admission:
         return sandbox_id in self._live
 
     def snapshot(self) -> AdmissionSnapshot:
-        """Committed, limit and free figures now (read by placement and the dashboard)."""
-        info = _recent_meminfo()
-        total_mb = info.get("MemTotal", 0) // 1024
-        limit_mb = int(total_mb * self.config.memory_overcommit)
+        """Committed, limit, free and measured figures now (read by placement and the dashboard)."""
+        s = self.sampler()
+        limit_mb = int(s.total_mb * self.config.memory_overcommit)
         committed = self.committed_mb
+        exp = self.expected_mb()
+        head = self.headroom_mb(s)
         return AdmissionSnapshot(
             committed_mb=committed, limit_mb=limit_mb, free_mb=max(0, limit_mb - committed),
-            available_mb=info.get("MemAvailable", 0) // 1024, min_free_mb=self.config.min_free_memory_mb,
-            total_mb=total_mb, overcommit=self.config.memory_overcommit,
+            available_mb=s.available_mb, min_free_mb=self.config.min_free_memory_mb,
+            total_mb=s.total_mb, overcommit=self.config.memory_overcommit,
             committed_cpus=round(self._committed_cpus + self._pending_cpus, 3), sandboxes=len(self._live),
-            pending=self._pending, paused_mb=sum(self._paused.values()), paused=len(self._paused))
+            pending=self._pending, expected_mb=round(exp, 2), headroom_mb=int(head),
+            room=max(0, int(head // exp)), psi_some10=s.psi_some10, psi_full10=s.psi_full10,
+            psi_full_limit=self.psi_full_limit,
+            paused_mb=sum(self._paused.values()), paused=len(self._paused))

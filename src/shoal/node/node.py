@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from shoal.backends.fncall import FncallManager
     from shoal.backends.runtime import RuntimeStatus
     from shoal.node.network import NetworkManager
+    from shoal.node.protect import Protection
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class Node(DataPlane):
         self._statuses: dict[str, RuntimeStatus] | None = None
         self._network: NetworkManager | None = None
         self._started = False
+        #: what the node did to keep itself and the host out of the OOM killer's reach (shoal.node.protect)
+        self.protection: Protection | None = None
 
     # ---- lifecycle of the node agent itself ---------------------------------------------------
     async def start(self, reap: bool = True, reconcile: bool = True) -> Node:
@@ -104,6 +107,14 @@ class Node(DataPlane):
             return self
         _raise_nofile()
         self._install_guest_agent()
+        if self.config.protect_host and not self.protection:
+            from shoal.node.protect import protect_host
+
+            # before any sandbox starts: their parent cgroup's limit, and the node's own OOM score
+            cfg = self.config
+            self.protection = await asyncio.to_thread(
+                protect_host, reserve_mb=cfg.host_reserve_mb, node_oom_score_adj=cfg.node_oom_score_adj,
+                node_memory_min_mb=cfg.node_memory_min_mb)
         if self.config.zram_swap:
             from shoal.node.reclaim import setup_zram_swap
 

@@ -1,0 +1,107 @@
+"""Density by default (issue 16) on real containers: admission with the default settings, the host and
+node agent kept out of the OOM killer's reach, memory bombs dying inside their own sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import shoal
+from shoal.host import cgroups, oom
+from shoal.host.memory import meminfo
+from shoal.node.protect import SANDBOX_PARENT, auto_reserve_mb
+
+pytestmark = [pytest.mark.root]
+
+
+def _parent_limit_mb() -> int:
+    mode = cgroups.cgroup_mode()
+    d = cgroups.CGROUP_ROOT / SANDBOX_PARENT if mode == "v2" else cgroups.CGROUP_ROOT / "memory" / SANDBOX_PARENT
+    raw = (d / ("memory.max" if mode == "v2" else "memory.limit_in_bytes")).read_text().strip()
+    return int(raw) >> 20
+
+
+async def test_node_keeps_the_oom_killer_on_sandbox_processes(client: shoal.Client) -> None:
+    node = client.transport.node
+    prot = node.protection
+    assert prot is not None and prot.cgroup_mode == cgroups.cgroup_mode()
+    total_mb = meminfo()["MemTotal"] // 1024
+    # the sandboxes together can never take the memory the host and the node agent run in
+    assert prot.sandbox_limit_mb == total_mb - auto_reserve_mb(total_mb) == _parent_limit_mb(), prot
+    if oom.can_lower():
+        assert prot.node_oom_score_adj == oom.NODE_OOM_SCORE_ADJ
+    else:
+        assert prot.node_oom_score_adj == oom.read_adj() and any("CAP_SYS_RESOURCE" in n for n in prot.notes)
+    sb = await client.create("base")
+    agent = node.record(sb.id).init_pid
+    # what the sandbox runs goes first in any OOM; its agent after everything it runs
+    r = await sb.exec("cat /proc/self/oom_score_adj")
+    assert int(r.stdout) == oom.SANDBOX_OOM_SCORE_ADJ
+    assert oom.read_adj(agent) < oom.SANDBOX_OOM_SCORE_ADJ
+    sh = await sb.shell()
+    assert int((await sh.run("cat /proc/self/oom_score_adj")).stdout) == oom.SANDBOX_OOM_SCORE_ADJ
+    # and a process cannot lower itself below the floor the runtime set (where the node may set floors)
+    low = await sb.exec("echo -500 > /proc/self/oom_score_adj")
+    assert low.exit_code != 0, "a sandbox process lowered its own OOM score below 0"
+    if oom.can_lower():
+        r = await sb.exec("echo 0 > /proc/self/oom_score_adj")
+        assert r.exit_code != 0, "a sandbox process lowered its own OOM score below its floor"
+
+
+def _oom_kills(cgroup: str) -> int:
+    cg = cgroups.SandboxCgroup(cgroup)
+    if cg.mode == "v2":
+        text = cg.read("memory", "memory.events") or ""
+    else:
+        text = cg.read("memory", "memory.oom_control") or ""
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "oom_kill":
+            return int(v)
+    return 0
+
+
+async def test_memory_bombs_die_in_their_own_sandboxes(client: shoal.Client) -> None:
+    """A smaller version of the benchmark's abuse phase (`shoal bench abuse`): idle sandboxes, each with a
+    process of its own, beside memory bombs; every bomb is killed in its sandbox and nothing else is."""
+    node = client.transport.node
+    idle = [s for s in await client.create_many("base", 40) if isinstance(s, shoal.Sandbox)]
+    assert len(idle) == 40
+    # each idle sandbox keeps a process we can look for afterwards
+    await asyncio.gather(*(s.exec("sleep 100000 >/dev/null 2>&1 &") for s in idle))
+    before = {s.id: (await s.exec("pgrep -c sleep")).stdout for s in idle}
+    assert set(before.values()) == {b"1\n"}
+    bombs = [s for s in await client.create_many("base", 4, memory_mb=96) if isinstance(s, shoal.Sandbox)]
+    bomb = "b = []\nwhile True:\n    b.append(bytearray(8 << 20))\n"
+    results = await asyncio.gather(*(b.exec(["python3", "-c", bomb], timeout=120) for b in bombs))
+    assert [r.exit_code for r in results] == [137] * 4, results
+    for b in bombs:
+        assert _oom_kills(node.record(b.id).cgroup) >= 1
+        assert (await b.exec("echo alive")).stdout == b"alive\n"  # its agent survived its own OOM
+    after = {s.id: (await s.exec("pgrep -c sleep")).stdout for s in idle}
+    assert after == before, "an idle sandbox lost a process"
+    assert all(_oom_kills(node.record(s.id).cgroup) == 0 for s in idle)
+    await asyncio.gather(*(s.close() for s in idle + bombs))
+
+
+@pytest.mark.slow
+async def test_default_spec_is_admitted_past_the_old_promise_limit(shoal_home: Path, base_image: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With default settings, creates are admitted on measured memory: more 1 GiB sandboxes than the old
+    default promise limit (4 × RAM: 96 sandboxes on a 24 GiB host) allowed."""
+    monkeypatch.delenv("SHOAL_MEMORY_OVERCOMMIT", raising=False)
+    async with shoal.Client() as c:
+        node = c.transport.node
+        old_limit_mb = int(node.admission.snapshot().total_mb * 4)
+        n = old_limit_mb // 1024 + 10
+        if n > 400:
+            pytest.skip(f"this host's RAM allowed {n - 10} sandboxes of 1 GiB at the old limit already")
+        items = await c.create_many("base", n)
+        ok = [s for s in items if isinstance(s, shoal.Sandbox)]
+        assert len(ok) == n, [str(e) for e in items if not isinstance(e, shoal.Sandbox)][:3]
+        snap = node.admission.snapshot()
+        assert snap.committed_mb == n * 1024
+        assert snap.committed_mb > old_limit_mb and snap.room > 0
+        await asyncio.gather(*(s.close() for s in ok))
