@@ -14,8 +14,7 @@ costs about a mebibyte, and 90% of them idle. So admission goes by what is **mea
   The default (1000) leaves the decision to measurement; `4` refuses past four times RAM, `1` never
   promises more than the host has.
 
-Before the node turns a create away for measured memory it pauses and reclaims its longest-idle
-sandboxes (shoal.node.pressure); refusals (CapacityExceeded, HTTP 429 with Retry-After) name the reason
+Refusals (CapacityExceeded, HTTP 429 with Retry-After) name the reason
 in `details["reason"]` ("promised", "memory", "pressure") and say what to do.
 
     res = node.admission.reserve(spec)      # CapacityExceeded when it does not fit
@@ -218,8 +217,7 @@ class Admission:
             return CapacityExceeded(
                 f"only {s.available_mb} MiB of memory is available on this node{inflight}; a new sandbox is expected "
                 f"to take {exp:.0f} MiB and {cfg.min_free_memory_mb} MiB must stay free (SHOAL_MIN_FREE_MB). "
-                "Idle sandboxes were paused first (see details); close or pause sandboxes, retry later, "
-                "or create on another node",
+                "Close or pause sandboxes, retry later, or create on another node",
                 retry_after_s=5.0, reason="memory", available_mb=s.available_mb,
                 min_free_mb=cfg.min_free_memory_mb, expected_mb=round(exp, 1), pending=self._pending)
         return None
