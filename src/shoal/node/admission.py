@@ -12,7 +12,10 @@ costs about a mebibyte, and 90% of them idle. So admission goes by what is **mea
   refused too: the host is thrashing.
 * **promised** — the sum of `memory_mb` of live sandboxes may not pass `SHOAL_MEMORY_OVERCOMMIT` × RAM.
   The default (1000) leaves the decision to measurement; `4` refuses past four times RAM, `1` never
-  promises more than the host has.
+  promises more than the host has. A paused sandbox's memory has been reclaimed (shoal.node.reclaim):
+  `paused(sandbox_id)` stops counting it against the limit (the scheduler's `Policy.paused_commit_weight`,
+  0) and `resumed(sandbox_id)` counts it again — which is what lets preemption and compute tides
+  (shoal.node.scheduling) make room by pausing.
 
 Refusals (CapacityExceeded, HTTP 429 with Retry-After) name the reason
 in `details["reason"]` ("promised", "memory", "pressure") and say what to do.
@@ -24,10 +27,6 @@ in `details["reason"]` ("promised", "memory", "pressure") and say what to do.
     node.admission.release(sandbox_id)      # when the sandbox is closed
 
 `node.admission.snapshot()` is what placement (the cluster) and the dashboard read.
-
-A paused sandbox's memory has been reclaimed (shoal.node.reclaim): `paused(sandbox_id)` stops counting it
-against the limit (the scheduler's `Policy.paused_commit_weight`, 0) and `resumed(sandbox_id)` counts it
-again — which is what lets preemption and compute tides (shoal.node.scheduling) make room by pausing.
 """
 
 from __future__ import annotations
