@@ -33,10 +33,13 @@ async def test_jobs_and_gangs_over_both_transports(any_client: shoal.Client) -> 
         assert b.info.labels["shoal.job"] == step.name and b.info.labels["shoal.priority"] == "train-rollout"
         assert (await b.exec("echo ok")).stdout == b"ok\n"  # type: ignore[union-attr]
     assert len(await step.list()) == 3
-    # more than the node can promise: refused at once, nothing created
+    # more than the node can promise (4,096 × 1 TiB, past SHOAL_MEMORY_OVERCOMMIT × RAM): refused at once,
+    # nothing created
+    big = any_client.job(f"it-big-{time.monotonic_ns()}", priority="train-rollout")
     with pytest.raises(shoal.GangUnsatisfiable) as ei:
-        await step.create_many("base", n=3, all_or_nothing=True, memory_mb=1 << 20)
-    assert ei.value.requested == 3 and ei.value.available < 3
+        await big.create_many("base", n=4096, all_or_nothing=True, memory_mb=1 << 20)
+    assert ei.value.requested == 4096 and ei.value.available < 4096
+    assert await big.list() == []
     assert len(await step.list()) == 3
     assert await step.close_all() == 3
     # past the job's cap
