@@ -1,13 +1,13 @@
 """TRL: an environment class for GRPOTrainer(environment_factory=...), exercised by a scripted "model"
-calling its tools; `shoal_reward` is what to pass as reward_funcs.
+calling its tools; TRL then calls get_reward() on each (no reward_funcs needed).
 
     python examples/rl_trl_env.py tasks.jsonl
 """
 
 import sys
 
+from shoal.integrations.trl import ShoalToolEnv
 from shoal.rl import load_tasks
-from shoal.rl.adapters.trl import ShoalToolEnv, shoal_reward
 
 path = sys.argv[1] if len(sys.argv) > 1 else "tasks.jsonl"
 
@@ -24,4 +24,4 @@ envs[0].write_file("/tmp/fix.patch", tasks[0].patch)
 envs[0].bash("git apply /tmp/fix.patch")
 envs[0].submit()
 envs[1].bash("ls")                    # this one never fixes anything
-print("rewards", shoal_reward(envs))  # [1.0, 0.0]
+print("rewards", [env.get_reward() for env in envs])  # [1.0, 0.0]

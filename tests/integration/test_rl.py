@@ -185,45 +185,6 @@ def _apply_cmd(patch: str) -> str:
     return f"git apply <<'SHOAL_PATCH_EOF'\n{patch}SHOAL_PATCH_EOF"
 
 
-async def test_verl_tool(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
-    from shoal.rl.adapters.verl import ShoalSandboxTool
-
-    tool = ShoalSandboxTool({"max_steps": 10, "client": client})
-    assert tool.name == "bash" and tool.get_openai_tool_schema()["function"]["name"] == "bash"
-    t = rl_tasks[0]
-    iid, resp = await tool.create(create_kwargs={"task": t.to_dict()})
-    assert t.workdir in resp.text
-    out, step_reward, metrics = await tool.execute(iid, {"command": _apply_cmd(t.patch)})
-    assert step_reward == 0.0 and metrics["exit_code"] == 0, out.text
-    assert await tool.calc_reward(iid) == 1.0
-    assert await tool.calc_reward(iid) == 1.0  # graded once
-    await tool.release(iid)
-    iid2, _ = await tool.create("mine", task=t)
-    assert iid2 == "mine"
-    await tool.execute(iid2, {"command": "ls"})
-    assert await tool.calc_reward(iid2) == 0.0  # no changes: empty patch
-    await tool.release(iid2)
-    with pytest.raises(shoal.InvalidRequest):
-        await tool.execute("mine", {"command": "ls"})
-
-
-async def test_openrlhf_agent_instance(client: shoal.Client, rl_tasks: list[SWETask]) -> None:
-    from shoal.rl.adapters.openrlhf import make_agent_instance
-
-    t = rl_tasks[1]
-    cls = make_agent_instance(tasks=rl_tasks, client=client, max_steps=5)
-    agent = cls()
-    first = await agent.reset({"prompt": "", "label": t.instance_id})
-    assert t.workdir in first["observation"]
-    out = await agent.step({"observation_text": first["observation"], "action_text": "hmm, let me think",
-                            "label": t.instance_id})
-    assert out["done"] is False and "No action found" in out["environment_feedback"]
-    out = await agent.step({"action_text": f"Fix:\n```bash\n{_apply_cmd(t.patch)}\n```", "label": t.instance_id})
-    assert out["done"] is False and float(out["rewards"]) == 0.0
-    out = await agent.step({"action_text": "Done. <submit/>", "label": t.instance_id})
-    assert out["done"] is True and float(out["rewards"]) == 1.0 and out["extra_logs"]["outcome"] == RESOLVED
-
-
 def test_sync_env(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
     from shoal.rl import SyncSandboxEnv
     from shoal.sdk.sync import close_shared_client
@@ -270,31 +231,6 @@ def test_cli_demo_and_tasks(shoal_home: Path, base_image: str, rl_tasks: list[SW
     assert roll["episodes"] == 10 and len(roll["results"]) == 10
     for tag, v in roll["by_policy"].items():
         assert v["mean_reward"] == {"gold": 1.0, "explore+fix": 1.0}.get(tag, 0.0), (tag, v)
-
-
-def test_trl_environment_factory(shoal_home: Path, base_image: str, rl_tasks: list[SWETask]) -> None:
-    import inspect
-
-    from shoal.rl.adapters.trl import ShoalToolEnv, shoal_reward
-    from shoal.sdk.sync import close_shared_client
-
-    class Env(ShoalToolEnv):
-        tasks = rl_tasks
-
-    tools = sorted(n for n, m in inspect.getmembers(Env, inspect.isfunction) if not n.startswith("_") and n != "reset")
-    assert tools == ["bash", "read_file", "submit", "write_file"]
-    assert "Args:" in Env.bash.__doc__
-    try:
-        envs = [Env(), Env()]
-        for e, t in zip(envs, rl_tasks, strict=True):
-            assert t.workdir in e.reset(instance_id=t.instance_id)
-        envs[0].write_file("/tmp/fix.patch", rl_tasks[0].patch)
-        assert "[exit code 0]" in envs[0].bash("git apply /tmp/fix.patch")
-        assert "Outcome: resolved" in envs[0].submit()
-        envs[1].bash("ls")  # never submits: graded by the reward function
-        assert shoal_reward(envs) == [1.0, 0.0]
-    finally:
-        close_shared_client()
 
 
 # ---- Harbor-style tasks ----------------------------------------------------------------------------

@@ -136,7 +136,7 @@ class SandboxEnv:
     def __init__(self, task: Task, client: Any | None = None, *, max_steps: int = 50, step_timeout: float = 120.0,
                  partial_reward: bool = False, memory_mb: int = 1024, cpus: float = 1.0,
                  grade_semaphore: asyncio.Semaphore | None = None, labels: dict[str, str] | None = None,
-                 time_limit_s: float | None = None) -> None:
+                 time_limit_s: float | None = None, ttl_s: float | None = None) -> None:
         if not isinstance(task, (SWETask, HarborTask)):
             raise InvalidRequest(f"SandboxEnv needs a SWETask or HarborTask, got {type(task).__name__}")
         if max_steps < 1:
@@ -150,6 +150,8 @@ class SandboxEnv:
         self.memory_mb = memory_mb
         self.cpus = cpus
         self.labels = labels or {}
+        #: the sandbox's shoal TTL (None: the client's default): a backstop for trainers that never close
+        self.ttl_s = ttl_s
         #: wall-clock budget of an episode (Harbor tasks: their agent timeout); past it, the next step grades
         self.time_limit_s = time_limit_s if time_limit_s is not None else (
             task.agent_timeout_s if isinstance(task, HarborTask) else None)
@@ -188,6 +190,8 @@ class SandboxEnv:
             kw["memory_mb"], kw["cpus"] = max(self.memory_mb, t.memory_mb), max(self.cpus, t.cpus)
         if t.workdir:
             kw["workdir"] = t.workdir
+        if self.ttl_s is not None:
+            kw["ttl_s"] = self.ttl_s
         if isinstance(t, HarborTask) and t.environment_dir is not None:
             await ensure_task_image(self.client, t)
         self.sandbox = await self.client.create(t.image, **kw)

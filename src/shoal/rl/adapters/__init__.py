@@ -1,5 +1,4 @@
-"""Thin adapters giving shoal environments the call shapes of verl, OpenRLHF, SkyRL-gym and TRL.
-
-None of those frameworks is imported: each adapter mirrors the methods and return shapes the framework
-calls, so it can be dropped into that framework's config as is, and tested here with a scripted policy.
+"""What the trainer integrations share (`_common`): one shoal client per event loop, task lookup by id, and
+turning an LLM's action text into a shoal action. The integrations themselves, each subclassing its
+framework's real base class, live in `shoal.integrations` (harbor, verl, openrlhf, skyrl, trl).
 """

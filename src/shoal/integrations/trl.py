@@ -1,15 +1,19 @@
-"""TRL: an environment class for `GRPOTrainer(environment_factory=...)` (TRL's experimental
-environments, e.g. trl.experimental.harbor).
+"""TRL 1.16: an environment class for `GRPOTrainer(environment_factory=...)`.
 
-TRL instantiates the factory once per rollout slot (no arguments), calls `reset(**row)` with the
-dataset row's columns at the start of each rollout — the returned text is appended to the prompt — and
-exposes every public method as a tool the model can call (typed signature + docstring → tool schema).
-The reward comes from `reward_funcs`, which receive the environments: `shoal_reward` below returns each
-environment's grade. Methods are synchronous; sandbox work runs on a private event loop.
+TRL instantiates the factory with no arguments (one instance per concurrent rollout, pooled and reused),
+calls `reset(**row)` with the dataset row's columns at the start of each rollout — the returned text is
+appended to the prompt — and exposes every public method but `reset` and `get_reward` as a tool the model
+can call (typed signature + docstring → tool schema). `get_reward()` is called once per finished rollout:
+the grade of the sandbox's final state (SWE tasks: its diff, in a fresh sandbox), so no `reward_funcs` are
+needed. Methods are synchronous; sandbox work runs on the shared client's private event loop.
 
-    from shoal.rl.adapters.trl import ShoalToolEnv, shoal_reward
-    trainer = GRPOTrainer(model=..., train_dataset=ds,       # ds rows carry an `instance_id` column
-                          environment_factory=ShoalToolEnv, reward_funcs=shoal_reward)
+    from shoal.integrations.trl import ShoalToolEnv
+    class Env(ShoalToolEnv):
+        tasks = "/data/tasks.jsonl"                          # or $SHOAL_RL_TASKS
+    trainer = GRPOTrainer(model=..., train_dataset=ds,       # ds rows: a `prompt` and an `instance_id`
+                          environment_factory=Env)
+
+(`shoal_reward` is the same grade as a reward function, for TRL versions without `get_reward`.)
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ class ShoalToolEnv:
     def submit(self) -> str:
         """Finish: your changes to the repository are graded by the hidden tests."""
         return self._step({"tool": "submit"})
+
+    def get_reward(self) -> float:
+        """The rollout's reward (TRL calls it once per finished rollout): the grade, graded now if not yet."""
+        reward = self._finish()
+        self._close()
+        return reward
 
     def _step(self, action: dict[str, Any]) -> str:
         if self._env is None:
