@@ -47,9 +47,6 @@ def _eval(result: dict) -> dict:
 
 @needs_harbor
 def test_oracle_many_trials_in_parallel_reward_1(shoal_home: Path, base_image: str, tmp_path: Path) -> None:
-    from tests.conftest import runtime_containers
-
-    before = set(runtime_containers())
     result = harbor_run(tmp_path / "jobs", "-a", "oracle", "-k", "6", "-n", "6")
     ev = _eval(result)
     assert result["n_total_trials"] == 6 and ev["n_errors"] == 0, ev["exception_stats"]
@@ -59,7 +56,10 @@ def test_oracle_many_trials_in_parallel_reward_1(shoal_home: Path, base_image: s
     for trial in (tmp_path / "jobs").glob("*/harbor-fizzbuzz__*"):
         assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
         assert (trial / "agent" / "oracle.txt").exists()
-    assert set(runtime_containers()) - before == set(), "harbor's trials left sandboxes running"
+    from shoal.node.records import list_records
+
+    left = [r.id for r in list_records(shoal_home / "sandboxes") if "harbor.session" in r.labels]
+    assert left == [], f"harbor's trials left sandboxes behind: {left}"
 
 
 @needs_harbor

@@ -78,8 +78,6 @@ async def _call(verl: SimpleNamespace, loop: Loop, agent_data: object, name: str
 
 async def test_one_sandbox_per_trajectory_across_verls_tool_calls(verl, client, rl_tasks: list,
                                                                   tmp_path: Path) -> None:
-    from tests.conftest import runtime_containers
-
     cfg = tmp_path / "tools.yaml"
     cfg.write_text(json.dumps({"tools": [
         {"class_name": "shoal.integrations.verl.ShoalSandboxTool", "config": {"type": "native", "idle_ttl_s": 600}},
@@ -99,7 +97,7 @@ async def test_one_sandbox_per_trajectory_across_verls_tool_calls(verl, client, 
     kw_a = {name: {"create_kwargs": {"task": a.to_dict()}} for name in ("bash", "write_file")}
     kw_b = {name: {"create_kwargs": {"task": b.to_dict()}} for name in ("bash", "write_file")}
     traj_a, traj_b = SimpleNamespace(request_id="req-a"), SimpleNamespace(request_id="req-b")
-    before = set(runtime_containers())
+    before = {sb.id for sb in await client.list()}
 
     out = await _call(verl, loop, traj_a, "bash", {"command": "export X=kept; echo one > /tmp/state"}, kw_a)
     assert "[exit code 0]" in out
@@ -112,7 +110,7 @@ async def test_one_sandbox_per_trajectory_across_verls_tool_calls(verl, client, 
     out = await _call(verl, loop, traj_b, "bash", {"command": "cat /tmp/state"}, kw_b)
     assert "No such file" in out
     assert set(verl.shoal._sessions) == {"req-a", "req-b"}
-    assert len(set(runtime_containers()) - before) == 2
+    assert len({sb.id for sb in await client.list()} - before) == 2
     # verl's release after each call dropped only the call's handle
     assert all(t._instances == {} for t in tools)
 
@@ -120,20 +118,18 @@ async def test_one_sandbox_per_trajectory_across_verls_tool_calls(verl, client, 
     assert (grade.outcome, grade.reward) == ("resolved", 1.0)
     grade = await verl.shoal.finish_trajectory("req-b")
     assert (grade.outcome, grade.reward) == ("empty_patch", 0.0)
-    assert verl.shoal._sessions == {} and set(runtime_containers()) - before == set()
+    assert verl.shoal._sessions == {} and {sb.id for sb in await client.list()} - before == set()
 
 
 async def test_idle_trajectories_are_released_and_bad_calls_are_answers(verl, client, rl_tasks: list) -> None:
-    from tests.conftest import runtime_containers
-
     tool = verl.shoal.ShoalSandboxTool({"type": "native", "idle_ttl_s": 0, "client": client}, None)
     loop = Loop([tool])
     kw = {"bash": {"create_kwargs": {"task": rl_tasks[0].to_dict()}}}
-    before = set(runtime_containers())
+    before = {sb.id for sb in await client.list()}
     await _call(verl, loop, SimpleNamespace(request_id="idle"), "bash", {"command": "true"}, kw)
     assert "idle" in verl.shoal._sessions
     await tool.create(create_kwargs={})  # the next call anywhere reaps trajectories idle past idle_ttl_s
-    assert "idle" not in verl.shoal._sessions and set(runtime_containers()) - before == set()
+    assert "idle" not in verl.shoal._sessions and {sb.id for sb in await client.list()} - before == set()
     # verl turns a tool's exception into the tool message; a call without a task says what is missing
     out = await _call(verl, loop, SimpleNamespace(request_id="nt"), "bash", {"command": "ls"}, {})
     assert "no task given" in out
