@@ -456,8 +456,10 @@ class Settings:
     tide_low: float = setting(0.75, "sched", "tides pause idle sandboxes until use is back under this fraction",
                               number(0, 1, lo_open=True))
     tide_idle_s: float = setting(300.0, "sched", "tides only pause sandboxes idle this long (s)", number(0))
-    tide_interval_s: float = setting(30.0, "sched", "how often the node checks its memory for tides (s)",
-                                     number(0, lo_open=True))
+    tide_interval_s: float = setting(2.0, "sched", "how often the node checks its memory for tides (s; a pass "
+                                     "runs only when memory is tight)", number(0, lo_open=True))
+    pressure_idle_s: float = setting(30.0, "sched", "before refusing a create for memory, the node pauses and "
+                                     "reclaims sandboxes idle this long (s)", number(0))
     trace_file: Path | None = setting(None, "sched", "append the node's sandbox events (create, close, pause, "
                                       "resume) to this JSONL file, replayable by `shoal sim --trace`",
                                       _optional(PATH), default_doc="none")

@@ -105,3 +105,35 @@ async def test_default_spec_is_admitted_past_the_old_promise_limit(shoal_home: P
         assert snap.committed_mb == n * 1024
         assert snap.committed_mb > old_limit_mb and snap.room > 0
         await asyncio.gather(*(s.close() for s in ok))
+
+
+async def test_pressure_pauses_and_reclaims_idle_sandboxes_before_a_refusal(client: shoal.Client) -> None:
+    """Real pause + reclaim by the pressure response. The watermark is put above what this host has free
+    (so the outcome does not depend on what else runs here): the idle sandboxes are paused and reclaimed,
+    the create is still refused and says so, and the paused ones answer their next call."""
+    node = client.transport.node
+    idle_boxes = [await client.create("base", memory_mb=128) for _ in range(3)]
+    busy = await client.create("base", memory_mb=128)
+    for sb in idle_boxes:  # something to give back: 32 MiB of shared memory each (swap-backed)
+        r = await sb.exec("head -c 32M /dev/zero > /dev/shm/blob && echo ok")
+        assert r.stdout == b"ok\n"
+    for sb in idle_boxes:
+        node.scheduling.last_used[sb.id] = 0.0  # idle since forever
+    saved = node.config.min_free_memory_mb
+    node.config.min_free_memory_mb = node.admission.snapshot().available_mb + (64 << 10)
+    node.scheduling._quiet_until = 0.0
+    try:
+        with pytest.raises(shoal.CapacityExceeded, match="idle sandboxes were paused and reclaimed first") as ei:
+            await client.create("base", memory_mb=128)
+        assert ei.value.details["reason"] == "memory" and ei.value.details["paused_for_room"] == 3
+    finally:
+        node.config.min_free_memory_mb = saved
+    for sb in idle_boxes:
+        rec = node.record(sb.id)
+        assert rec.state == "paused" and rec.extra["paused_by"] == "pressure"
+        assert rec.extra["reclaim"]["before"] > rec.extra["reclaim"]["after"], rec.extra["reclaim"]
+    assert node.record(busy.id).state == "running"
+    for sb in idle_boxes:  # resumed by their next call, their memory as it was
+        assert (await sb.exec("wc -c < /dev/shm/blob")).stdout == b"33554432\n"
+        assert node.record(sb.id).state == "running"
+    await asyncio.gather(*(s.close() for s in [*idle_boxes, busy]))

@@ -210,3 +210,56 @@ def test_an_unsatisfiable_gang_over_http_is_a_429_before_anything_starts(fake_ho
         assert list_records(node.paths.sandboxes) == []
         r = http.post("/v1/sandboxes/batch", json={**body, "all_or_nothing": "yes please"})
         assert r.status_code == 422
+
+
+async def test_pressure_pauses_the_longest_idle_sandboxes_before_refusing_a_create(
+        fake_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pressure response (shoal.node.scheduling.relieve): admission would refuse a create because the
+    host's available memory is at its watermark; idle sandboxes are paused first and the create fits.
+    The host's memory is simulated: each paused sandbox gives back 300 MiB."""
+    from shoal.host.memory import MemorySample
+
+    node = Node(fake_config(fake_home, min_free_memory_mb=512))
+    add_image(node.store, "t:1", {"/work/x": "x"})
+    await node.start(reap=False)
+    total = 24 * 1024
+    state = {"base": 16 * 1024}
+
+    def available() -> int:
+        paused = sum(1 for r in list_records(node.paths.sandboxes) if r.state == "paused")
+        return state["base"] + 300 * paused
+
+    node.admission.sampler = lambda: MemorySample(total_mb=total, available_mb=available(), free_mb=available())
+    monkeypatch.setattr(node_scheduling, "_meminfo_mb", lambda: (total, available()))
+    try:
+        a = await node.create(spec("batch"))
+        b = await node.create(spec("interactive"))
+        c = await node.create(spec("interactive"))
+        idle(node, a.id, ago=3600)
+        idle(node, b.id, ago=600)
+        state["base"] = 515  # at the watermark: a new sandbox's expected working set does not fit
+        d = await node.create(spec("interactive"))
+        assert d.state == "running"
+        assert node.record(a.id).extra["paused_by"] == "pressure"
+        assert (await node.get(c.id)).state == "running", "a busy sandbox was paused"
+        assert node.scheduling.last_tide["by"] == "pressure" and a.id in node.scheduling.last_tide["paused"]
+        # nothing idle left to pause: refused, saying why and what was tried
+        idle(node, c.id, d.id, ago=0)
+        for sid in (a.id, b.id):
+            if (await node.get(sid)).state == "paused":
+                await node.resume(sid)
+        idle(node, a.id, b.id, ago=0)
+        with pytest.raises(CapacityExceeded, match="no sandbox was idle for 30 s") as ei:
+            await node.create(spec("interactive"))
+        assert ei.value.details["reason"] == "memory" and ei.value.details["paused_for_room"] == 0
+        assert "SHOAL_MIN_FREE_MB" in ei.value.message
+        # a paused sandbox answers its next call
+        idle(node, a.id, ago=3600)
+        node.scheduling._quiet_until = 0.0
+        await node.create(spec("interactive"))
+        assert (await node.get(a.id)).state == "paused"
+        assert (await node.exec(a.id, "echo back")).stdout == b"back\n"
+        assert (await node.get(a.id)).state == "running"
+    finally:
+        await node.close_all()
+        await node.stop()

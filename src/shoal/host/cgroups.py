@@ -87,6 +87,15 @@ class SandboxCgroup:
                 out[k] = int(v)
         return out
 
+    def working_set_bytes(self) -> int | None:
+        """Memory the sandbox holds that reclaim cannot simply drop: its charge minus file pages on the LRU
+        lists (page cache; tmpfs and shared memory are swap-backed, so they stay in)."""
+        total = self.memory_bytes()
+        if total is None:
+            return None
+        st = self.memory_stat()
+        return max(0, total - st.get("active_file", 0) - st.get("inactive_file", 0))
+
     def pids(self) -> list[int]:
         """PIDs (host view) in this cgroup."""
         raw = self.read("pids", "cgroup.procs") or ""

@@ -11,13 +11,17 @@ memory) and carries them out with the node's own pause:
   sandboxes resume transparently on their next call (Node.client), never killed;
 * **gangs** — `reserve_gang` holds admission for all `n` creates of an `all_or_nothing` burst, or
   raises GangUnsatisfiable saying how many fit, before anything starts;
-* **compute tides** — every `tide_interval_s`, when the host's used memory is over `tide_high`,
-  sandboxes idle over `tide_idle_s` are paused and reclaimed (`sched.plan_tides`) until it is under
-  `tide_low`.
+* **compute tides** — every `tide_interval_s` the node reads its memory; when used memory is over
+  `tide_high`, sandboxes idle over `tide_idle_s` are paused and reclaimed (`sched.plan_tides`) until it is
+  under `tide_low`;
+* **the pressure response** — before admission refuses a create for memory (its watermark,
+  `SHOAL_MIN_FREE_MB`, or PSI), the same decision runs at once with that watermark as its threshold:
+  the longest-idle sandboxes (idle at least `pressure_idle_s`) are paused and reclaimed — to swap, zram
+  where set up — until the create fits; only then is it refused, saying what was tried.
 
 "Idle" is the time since the sandbox last served a call through this node process (exec, files,
 shells), or since it was created, adopted or resumed. Paused sandboxes carry `extra.paused_by`
-("preempt", "tides"; a user's own pause leaves none) until they resume.
+("preempt", "tides", "pressure"; a user's own pause leaves none) until they resume.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import CapacityExceeded, GangUnsatisfiable, ShoalError
@@ -49,6 +55,12 @@ if TYPE_CHECKING:
     from shoal.node.records import SandboxRecord
 
 log = logging.getLogger(__name__)
+#: most sandboxes one tide or pressure pass pauses (idle ones hold ~1 MiB each: the rest waits for the next)
+MAX_PAUSED_PER_PASS = 256
+#: a pressure pass frees what the create needs plus this much (MiB), so the next creates fit too
+PRESSURE_MARGIN_MB = 256.0
+#: after a pass that found nothing to pause, the next waits this long (s)
+PRESSURE_QUIET_S = 10.0
 
 
 def _meminfo_mb() -> tuple[int, int]:
@@ -84,8 +96,12 @@ class NodeScheduling:
             from shoal.node.tracelog import TraceLog
 
             self.trace = TraceLog(s.trace_file, cfg.node_id)
-        #: what the last tide pass did (for `shoal bench` and tests)
+        #: what the last tide pass did (for `shoal bench` and tests), and counts over the node's life
         self.last_tide: dict[str, Any] = {}
+        self.tide_totals = {"passes": 0, "paused": 0}
+        #: the pressure response pauses sandboxes idle at least this long before refusing a create
+        self.pressure_idle_s = float(getattr(s, "pressure_idle_s", 30.0))
+        self._quiet_until = 0.0
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def job_of(self, spec: SandboxSpec) -> JobLabels:
@@ -139,10 +155,11 @@ class NodeScheduling:
             self.trace.event("resume", sandbox_id)
 
     # ---- the one-node view -------------------------------------------------------------------------
-    def view(self, *, used: bool = False, backend: str = "container") -> Cluster:
+    def view(self, *, used: bool = False, backend: str = "container", policy: Policy | None = None) -> Cluster:
         """This node as the scheduler sees it: promised and used memory, and every running sandbox
-        (with its class, job, last call and — `used=True` — the memory its cgroup holds). The node
-        counts as offering `backend` (the one the request is for; a node's own view needs no filter)."""
+        (with its class, job, last call and — `used=True` — the memory pausing it would give back: its
+        cgroup's charge less page cache). The node counts as offering `backend` (the one the request is
+        for; a node's own view needs no filter). `policy`: decide with these knobs instead of the node's."""
         from shoal.node.records import list_records
 
         snap = self.node.admission.snapshot()
@@ -153,7 +170,7 @@ class NodeScheduling:
         state.committed_mb = snap.committed_mb
         state.paused_mb = getattr(snap, "paused_mb", 0)
         state.used_mb = max(0, total - avail)
-        cluster = Cluster([state], self.policy)
+        cluster = Cluster([state], policy or self.policy)
         now = time.time()
         for rec in list_records(self.node.paths.sandboxes):
             if rec.extra.get("pool") or rec.state not in ("running", "paused"):
@@ -172,7 +189,7 @@ class NodeScheduling:
             if used and rec.state == "running" and rec.cgroup:
                 from shoal.host.cgroups import SandboxCgroup
 
-                used_mb = (SandboxCgroup(rec.cgroup).memory_bytes() or 0) >> 20
+                used_mb = (SandboxCgroup(rec.cgroup).working_set_bytes() or 0) >> 20
             cluster.track(SandboxView(rec.id, state.node_id, int(rec.spec.get("memory_mb", 0)),
                                       float(rec.spec.get("cpus", 1.0)), jl.priority, jl.job, rec.project,
                                       rec.state, self.last_used.get(rec.id, rec.created_at or now), used_mb))
@@ -200,6 +217,8 @@ class NodeScheduling:
         try:
             return self.node.admission.reserve(spec)
         except CapacityExceeded as e:
+            if e.details.get("reason") in ("memory", "pressure"):
+                return await self.relieve(spec, e)
             if not self._may_preempt(e, jl):
                 raise
         async with self._lock:
@@ -263,24 +282,80 @@ class NodeScheduling:
 
         return sum(await asyncio.gather(*(one(s) for s in ids)))
 
-    # ---- compute tides -------------------------------------------------------------------------------
-    async def tide_once(self) -> list[str]:
-        """One tide pass: when the host's memory is tight, pause idle sandboxes; returns their ids."""
+    # ---- compute tides and the pressure response -------------------------------------------------------
+    async def tide_once(self, *, need_mb: float = 0.0, idle_s: float | None = None, by: str = "tides",
+                        ) -> list[str]:
+        """One tide pass: when the host's memory is tight (over `tide_high`), pause idle sandboxes (longest
+        idle first, `sched.plan_tides`) until it is under `tide_low`; returns their ids.
+
+        With `need_mb` (the pressure response to a create about to be refused) the pass runs whatever
+        the fraction in use, to free `need_mb` from sandboxes idle at least `idle_s` — the same decision
+        with the node's watermark folded into its thresholds."""
         total, avail = _meminfo_mb()
         t0 = time.monotonic()
-        self.last_tide = {"at": time.time(), "used_mb": total - avail, "total_mb": total, "paused": []}
-        if total <= 0 or total - avail < self.policy.tide_high * total:
+        self.last_tide = {"at": time.time(), "used_mb": total - avail, "total_mb": total, "paused": [], "by": by,
+                          "need_mb": round(need_mb, 1)}
+        if total <= 0:
             return []
-        cluster = self.view(used=True)
-        victims = [v.id for v in plan_tides(self.node.config.node_id, cluster, time.time())]
-        paused = [sid for sid in victims if await self._pause_all([sid], "tides")]
+        policy = self.policy
+        used = total - avail
+        if need_mb > 0:
+            high = max(1e-6, min(policy.tide_high, (used - 1) / total))
+            low = max(1e-6, min(high, (used - need_mb) / total))
+            policy = replace(policy, tide_high=high, tide_low=low,
+                             tide_idle_s=policy.tide_idle_s if idle_s is None else idle_s)
+        elif used < policy.tide_high * total:
+            return []
+        cluster = self.view(used=True, policy=policy)
+        victims = [v.id for v in plan_tides(self.node.config.node_id, cluster, time.time())][:MAX_PAUSED_PER_PASS]
+        paused = await self._pause_all_ids(victims, by)
         _, avail_after = _meminfo_mb()
-        self.last_tide.update(paused=paused, used_after_mb=total - avail_after,
+        self.last_tide.update(paused=paused, used_after_mb=total - avail_after, freed_mb=avail_after - avail,
                               seconds=round(time.monotonic() - t0, 3))
+        self.tide_totals["passes"] += 1
+        self.tide_totals["paused"] += len(paused)
         if paused:
-            log.info("tides: paused %d idle sandboxes (host memory %d of %d MiB in use)", len(paused),
-                     total - avail, total)
+            log.info("%s: paused %d idle sandboxes (host memory %d of %d MiB in use)", by, len(paused), used, total)
         return paused
+
+    async def _pause_all_ids(self, ids: list[str], by: str) -> list[str]:
+        done: list[str] = []
+
+        async def one(sid: str) -> None:
+            if await self._pause_all([sid], by):
+                done.append(sid)
+
+        # a few at a time: each pause reclaims its memory (a freezer write, then reclaim of its cgroup)
+        for i in range(0, len(ids), 16):
+            await asyncio.gather(*(one(sid) for sid in ids[i:i + 16]))
+        return done
+
+    async def relieve(self, spec: SandboxSpec, err: CapacityExceeded) -> Any:
+        """The pressure response to a create admission refused for memory: pause and reclaim the longest-idle
+        sandboxes (idle at least `pressure_idle_s`) to make room, then reserve again; raises the refusal,
+        saying what was tried, when that is not enough."""
+        adm = self.node.admission
+        async with self._lock:
+            with contextlib.suppress(CapacityExceeded):
+                return adm.reserve(spec)  # another create's pass freed room meanwhile
+            paused: list[str] = []
+            now = time.monotonic()
+            if self.tides_enabled and now >= self._quiet_until:
+                exp = adm.expected_mb(int(spec.memory_mb))
+                need = max(PRESSURE_MARGIN_MB, exp - adm.headroom_mb() + PRESSURE_MARGIN_MB)
+                paused = await self.tide_once(need_mb=need, idle_s=self.pressure_idle_s, by="pressure")
+                if not paused:
+                    # nothing idle enough to pause: do not scan again for every create of a burst
+                    self._quiet_until = time.monotonic() + PRESSURE_QUIET_S
+            try:
+                return adm.reserve(spec)
+            except CapacityExceeded as e:
+                e.details.update(paused_for_room=len(paused), pressure_idle_s=self.pressure_idle_s)
+                what = (f"{len(paused)} idle sandboxes were paused and reclaimed first, not enough"
+                        if paused else f"no sandbox was idle for {self.pressure_idle_s:g} s to pause")
+                e.message = f"{e.message} ({what})"
+                e.args = (e.message,)
+                raise e from err
 
     def start(self) -> None:
         """Start the tide loop (when tides are on)."""
@@ -297,11 +372,41 @@ class NodeScheduling:
         if self.trace is not None:
             self.trace.close()
 
+    def sample_working_sets(self, k: int = 8) -> int:
+        """Measure the working sets of `k` running sandboxes picked at random and hand them to admission
+        (its estimate of what a new sandbox takes). Returns how many were measured."""
+        from shoal.host.cgroups import SandboxCgroup
+
+        ids = [sid for sid in self.last_used]
+        done = 0
+        for sid in random.sample(ids, min(k, len(ids))):
+            try:
+                rec = self.node.record(sid)
+            except ShoalError:
+                continue
+            if rec.state != "running" or not rec.cgroup or rec.extra.get("pool"):
+                continue
+            ws = SandboxCgroup(rec.cgroup).working_set_bytes()
+            if ws is not None:
+                self.node.admission.note_usage(ws / 2**20)
+                done += 1
+        return done
+
     async def _loop(self) -> None:
+        # memory is checked every tide_interval_s (a /proc/meminfo read); a pass only runs when it is tight,
+        # and after a pass that found nothing to pause, not again for PRESSURE_QUIET_S
+        tick = 0
         while True:
             await asyncio.sleep(self.tide_interval_s)
+            tick += 1
             try:
-                await self.tide_once()
+                if tick % 5 == 1:
+                    await asyncio.to_thread(self.sample_working_sets)
+                total, avail = _meminfo_mb()
+                if total and total - avail >= self.policy.tide_high * total and time.monotonic() >= self._quiet_until:
+                    async with self._lock:
+                        if not await self.tide_once():
+                            self._quiet_until = time.monotonic() + PRESSURE_QUIET_S
             except Exception as e:  # a tide pass must never take the node down
                 log.warning("tide pass failed: %s", e)
 
