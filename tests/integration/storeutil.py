@@ -67,7 +67,7 @@ async def private_node(store_root: Path, **kw: object) -> AsyncIterator[Node]:
     sandboxes are closed, its mounts undone, and nothing may remain mounted under the home."""
     home = Path(tempfile.mkdtemp(prefix="shs-", dir="/tmp"))
     paths = Paths(home=home, store=Path(store_root))
-    node = Node(NodeConfig(paths=paths, memory_overcommit=1000.0, **kw))  # type: ignore[arg-type]
+    node = Node(NodeConfig(paths=paths, memory_overcommit=1000.0, min_free_memory_mb=0, **kw))  # type: ignore[arg-type]
     try:
         await node.start()
         yield node
