@@ -84,3 +84,20 @@ def test_the_store_scenario_is_registered_with_its_parameters() -> None:
     names = {p.name for p in scen.describe()}
     assert {"trials", "nodes", "per_node", "images", "cache_rounds"} <= names
     assert "store" not in registry.default_names(), "it needs MooseFS and minutes: run by name only"
+
+
+def test_shoal_store_check_answers_or_says_why(tmp_path: Path) -> None:
+    """`shoal store check`: exit 0 on a store that answers, 1 with the reason on one that is not there."""
+    import subprocess
+    import sys
+
+    from shoal.images.store import ImageStore
+
+    ImageStore(tmp_path / "store")
+    env = dict(os.environ, SHOAL_HOME=str(tmp_path / "home"), SHOAL_STORE=str(tmp_path / "store"))
+    cmd = [sys.executable, "-m", "shoal.cli.main", "store", "check", "--timeout", "5"]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "answers" in ok.stdout, ok.stderr
+    env["SHOAL_STORE"] = str(tmp_path / "not-mounted")
+    bad = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "layers directory" in bad.stderr, bad.stdout + bad.stderr
