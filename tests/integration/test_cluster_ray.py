@@ -324,10 +324,14 @@ def test_cluster_down_leaves_nothing_behind(cluster: Ctx) -> None:
     while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids.values() if _alive(p)], "node agent processes left"
+    from tests.conftest import runtime_containers
+
     for nid in pids:
         d = cluster.home / "nodes" / nid
         assert not _mounts_under(str(d)), f"mounts left under {d}"
         assert not (d / "sandboxes" / keep).exists()
+    left = [c for c in runtime_containers() if c.split("-")[1] in pids]
+    assert left == [], f"containers of the cluster's nodes still run: {left}"
     temp = cluster.lc.temp_dir
     cluster.lc.shutdown()
     assert ray_processes_of(temp) == [], "Ray processes left"

@@ -60,6 +60,8 @@ class LocalCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="shray-", dir="/tmp")
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
             node_ip_address="127.0.0.1", gcs_server_port=_free_port(), include_dashboard=False,
+            # Ray's head defaults to fixed ports for these (52365 …): other clusters on this host may hold them
+            dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
             num_cpus=self.head_cpus, temp_dir=self.temp_dir,
             _system_config=self.system_config))
         for _ in range(self.n_workers):
