@@ -264,14 +264,17 @@ def _probe_one(name: str, paths: Paths, agent_bin: Path) -> RuntimeStatus:
         guest.mkdir()
         shutil.copy2(agent_bin, guest / "shoal-agent")
         cfg = build_config(rootfs=str(rootfs), guest_dir=str(guest), hostname="probe", env={"PATH": "/"},
-                           cwd="/", cgroups_path=f"/shoal-probe/{os.getpid()}", cpus=1, memory_mb=64, pids=16)
+                           cwd="/", cgroups_path=f"/shoal-probe-{os.getpid()}/{name}", cpus=1, memory_mb=64,
+                           pids=16)
         cfg["process"]["args"] = ["/.shoal/shoal-agent", "--version"]
         (bundle / "config.json").write_text(json.dumps(cfg))
         cid = f"shoal-probe-{os.getpid()}-{name}"
         r = run_sync([binary, *rt.global_args, "run", "--bundle", str(bundle), cid], timeout=60)
         run_sync([binary, *rt.global_args, "delete", "--force", cid], timeout=30)
-        cgroups.remove_tree(f"/shoal-probe/{os.getpid()}")
-        cgroups.remove_tree("/shoal-probe")
+        # a cgroup parent of this process's own: node agents starting together (a cluster's, on one host)
+        # probe at the same moment, and removing a shared parent may pull another's probe cgroup away
+        # before its container joins it (that runtime would then look unusable to that node)
+        cgroups.remove_tree(f"/shoal-probe-{os.getpid()}")
     if r.returncode == 0:
         return RuntimeStatus(name, binary, True, version)
     err = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()

@@ -91,7 +91,7 @@ def status(address: AddressOpt, as_json: Annotated[bool, typer.Option("--json")]
         return
     t = Table(title=f"shoal cluster {address}")
     for col in ("node", "health", "sandboxes", "CPU committed / cores (load)", "memory committed / limit",
-                "memory used / total", "layers mounted", "images in use", "endpoint"):
+                "memory used / total", "layers mounted", "images in use", "runtimes", "endpoint"):
         t.add_column(col)
     for r in rows:
         mem, cpu = r.get("memory") or {}, r.get("cpus") or {}
@@ -102,7 +102,8 @@ def status(address: AddressOpt, as_json: Annotated[bool, typer.Option("--json")]
                   else "-", f"{_mb(mem.get('committed_mb'))} / {_mb(mem.get('limit_mb'))}" if mem else "-",
                   f"{_mb(mem.get('used_mb'))} / {_mb(mem.get('total_mb'))}" if mem else "-",
                   str(len(r.get("layers") or [])) if "layers" in r else "-",
-                  ", ".join(sorted(r.get("images") or {})) or "-", r.get("url", "-"))
+                  ", ".join(sorted(r.get("images") or {})) or "-", ", ".join(r.get("runtimes") or []) or "-",
+                  r.get("url", "-"))
     console.print(t)
 
 

@@ -153,6 +153,8 @@ class NodeAgent:
         paths = Paths.from_env(self.home, self.store)
         node = Node(NodeConfig(paths=paths, node_id=self.node_id))
         await node.start()
+        # probe the container runtimes now, off the event loop (state reports them; creates need them)
+        await asyncio.to_thread(lambda: node.runtime_statuses)
         self.adopted = {"sandboxes": len(await node.list())}
         self.node = node
         await self._serve_http()

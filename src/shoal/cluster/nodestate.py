@@ -40,5 +40,7 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
         "layers": layers,
         # what this node may be asked to create (a backend its host cannot run answers BackendUnavailable)
         "backends": backend_names(),
+        # container runtimes that passed this node's probe ("auto" takes the first of crun, runc)
+        "runtimes": sorted(name for name, st in node.runtime_statuses.items() if st.works),
         "images": dict(images),
     }
