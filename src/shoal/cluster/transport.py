@@ -428,14 +428,17 @@ class ClusterTransport(Transport):
         names = await asyncio.to_thread(agent_names)
         nids = [n[len("shoal-node-"):] for n in names]
 
+        gone: set[str] = set()
+
         async def one(nid: str) -> list[SandboxInfo]:
             try:
                 return list(await self._on_node(nid, "list", lambda h: _list(h, labels, project)))
             except SandboxLost:
+                gone.add(nid)  # its actor is still registered, but Ray has declared its node dead
                 return []
         per_node = await asyncio.gather(*(one(nid) for nid in nids))
         out = [i for items in per_node for i in items]
-        live_nodes = set(nids)
+        live_nodes = set(nids) - gone
         for nid in await self._lost_nodes(live_nodes):
             for i in await self._lost_infos(nid):
                 if labels and any(i.labels.get(k) != v for k, v in labels.items()):
