@@ -117,3 +117,13 @@ def test_lost_entries_list_as_lost() -> None:
     assert "env" not in entry["spec"]  # the index in Ray's store carries no environment values
     back = _lost_info(entry)
     assert back.state == "lost" and back.id == info.id and back.labels == {"k": "v"} and back.spec["project"] == "p"
+
+
+def test_measured_room_caps_what_a_node_is_given() -> None:
+    view = ClusterView(seed=5)
+    full, two = report("full"), report("two", running=3)
+    full["memory"]["room"] = 0  # measured admission takes nothing more there
+    two["memory"]["room"] = 2
+    view.update([full, two, report("free")])
+    plan = view.split(SandboxSpec(memory_mb=64), 30)
+    assert "full" not in plan and plan.get("two", 0) <= 2 and sum(plan.values()) == 30

@@ -27,12 +27,15 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
         if rec.state in LIVE_STATES:
             images[rec.image] += 1
     layers = sorted(node.layer_mounts.mounted())
-    # what admission would still accept now (it also refuses outright while free memory is low)
-    free_mb = adm.free_mb if adm.available_mb >= adm.min_free_mb else 0
+    # the promise policy's free memory, and what measured admission (working sets, free memory) would still
+    # take: `room` more sandboxes of the expected size
+    return_mem = {"total_mb": adm.total_mb, "limit_mb": adm.limit_mb, "committed_mb": adm.committed_mb,
+                  "available_mb": adm.available_mb, "used_mb": adm.total_mb - adm.available_mb,
+                  "free_mb": adm.free_mb, "headroom_mb": adm.headroom_mb, "room": adm.room,
+                  "expected_mb": round(float(adm.expected_mb), 1)}
     return {
         "node_id": node.config.node_id, "ray_node_id": ray_node_id, "url": url,
-        "memory": {"total_mb": adm.total_mb, "limit_mb": adm.limit_mb, "committed_mb": adm.committed_mb,
-                   "available_mb": adm.available_mb, "used_mb": adm.total_mb - adm.available_mb, "free_mb": free_mb},
+        "memory": return_mem,
         "cpus": {"count": os.cpu_count() or 1, "committed": adm.committed_cpus,
                  "load1": round(os.getloadavg()[0], 2)},
         "sandboxes": dict(by_state),

@@ -28,13 +28,20 @@ def node_state(report: Report, policy: Policy) -> NodeState:
     mem, cpus = report.get("memory", {}), report.get("cpus", {})
     total = max(1, int(mem.get("total_mb", 0)))
     sb = report.get("sandboxes", {})
-    return NodeState.new(
+    running = int(sb.get("running", 0)) + int(sb.get("creating", 0))
+    room = mem.get("room")
+    # measured admission says how many more sandboxes the node takes now: a cap on live sandboxes
+    cap = running + int(room) if room is not None else 0
+    st = NodeState.new(
         str(report["node_id"]), cpus=float(cpus.get("count", 1)), memory_mb=total, policy=policy,
         memory_overcommit=float(mem.get("limit_mb", 0)) / total, cpu_overcommit=_NO_CPU_LIMIT,
-        committed_mb=int(mem.get("committed_mb", 0)), committed_cpus=float(cpus.get("committed", 0.0)),
-        used_mb=int(mem.get("used_mb", 0)), running=int(sb.get("running", 0)) + int(sb.get("creating", 0)),
+        max_sandboxes=cap, committed_mb=int(mem.get("committed_mb", 0)),
+        committed_cpus=float(cpus.get("committed", 0.0)), used_mb=int(mem.get("used_mb", 0)), running=running,
         paused=int(sb.get("paused", 0)), layers=set(report.get("layers") or ()),
         backends=frozenset(report.get("backends") or ("container",)))
+    if room is not None and int(room) <= 0:
+        st.healthy = False  # takes nothing now (a cap of 0 would read as "no cap")
+    return st
 
 
 def request(spec: SandboxSpec, layers: tuple[str, ...] = (), avoid: Iterable[str] = ()) -> Request:
@@ -47,7 +54,8 @@ class ClusterView:
     """One client's scheduler view of the cluster, fed by node reports."""
 
     def __init__(self, policy: Policy | None = None, seed: int | None = None) -> None:
-        self.policy = policy or Policy()
+        # the node's own admission checks free memory (and reports it as `room`): not the policy's min_free_mb
+        self.policy = policy or Policy(min_free_mb=0)
         self.cluster = Cluster((), self.policy, seed=seed)
 
     def update(self, reports: Iterable[Report]) -> None:

@@ -365,11 +365,12 @@ class ClusterTransport(Transport):
         deadline = time.monotonic() + self.timeout
         attempt = 0
         last_refusal: ShoalError | None = None
+        waited_for_room = False
         while todo > 0:
             attempt += 1
             plan = await self._plan(spec, todo, avoid)
             if not plan:
-                if avoid and time.monotonic() < deadline:
+                if (avoid or waited_for_room) and time.monotonic() < deadline:
                     # every node refused this round: the view was stale; wait as they ask, then look again
                     wait = max(0.5, getattr(last_refusal, "retry_after_s", 1.0)) * self._rng.uniform(0.8, 1.2)
                     if time.monotonic() + wait < deadline:
@@ -383,7 +384,11 @@ class ClusterTransport(Transport):
                 out += [err] * todo
                 break
             results = await asyncio.gather(*(self._create_on(nid, spec, k) for nid, k in plan.items()))
-            todo = 0
+            short = todo - sum(plan.values())  # what no node had room for in this view: placed again below
+            todo = short
+            if short:
+                waited_for_room = True
+                self._states = None  # the nodes re-measure their room as they fill: ask them again
             for nid, items in zip(plan, results, strict=True):
                 refused = 0
                 for it in items:
