@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup agent guest demo test test-unit test-integration lint bench clean
+.PHONY: setup agent guest demo test test-unit test-integration test-trainers lint bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,10 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest tests/integration -q
+
+# optional: the full trainer frameworks on CPU torch (.venv-trainers), one tiny run each (issue 17)
+test-trainers: setup
+	@bash scripts/test-trainers.sh
 
 lint:
 	$(VENV)/bin/ruff check src tests benchmarks

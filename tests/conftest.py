@@ -175,3 +175,26 @@ def store_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]
     root = Path(tempfile.mkdtemp(prefix="store-", dir=cluster.mountpoint))
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- RL: generated tasks shared by the RL and trainer-integration tests
+@pytest.fixture(scope="session")
+def rl_tasks(shoal_home: Path, base_image: str) -> list:
+    """Two generated tasks of the `inflection` project (images cached in the shared store)."""
+    import asyncio
+
+    import shoal
+    from shoal.rl.taskgen.config import load_task_recipe
+    from shoal.rl.taskgen.generate import generate_tasks
+
+    tr = load_task_recipe().select(["inflection"])
+    tr.mutations.tasks_per_project = 2
+    tr.mutations.max_candidates = 8
+
+    async def go() -> list:
+        async with shoal.Client() as c:
+            return await generate_tasks(c.transport.node, tr)
+
+    tasks = asyncio.run(go())
+    assert len(tasks) == 2
+    return tasks
