@@ -340,3 +340,26 @@ def test_policy_priorities_are_configurable() -> None:
         Policy(priorities=("a", "a"))
     with pytest.raises(InvalidRequest):
         Policy(priorities=("a",), default_priority="b")
+
+
+# ---- preemption from node reports (a driver that tracks no sandboxes) ------------------------------
+def test_preemptible_plan_sends_work_where_pausing_idle_lower_classes_frees_room() -> None:
+    from shoal.sched import plan_preemptible
+
+    c = mk(3, mem=4096)
+    for node in c:
+        node.committed_mb = 4096  # every node full
+    c.node("n0").idle_mb = {3: 2048}  # idle batch sandboxes: room for two 1 GiB copies
+    c.node("n1").idle_mb = {1: 4096}  # idle eval: only a train-rollout request may pause them
+    for node in list(c):
+        c.upsert(node)
+    hi = Request(memory_mb=1024, priority=0)
+    plan = plan_preemptible(hi, 10, c)
+    assert plan.counts == {"n0": 2, "n1": 4}
+    plan = plan_preemptible(hi, 3, c)
+    assert plan.placed == 3 and set(plan.counts) <= {"n0", "n1"}
+    assert plan_preemptible(Request(memory_mb=1024, priority=1), 10, c).counts == {"n0": 2}
+    assert plan_preemptible(Request(memory_mb=1024, priority=3), 10, c).counts == {}
+    # reserving a plan takes its room off the next plan's offer
+    reserve_plan(c, plan_preemptible(hi, 2, c), hi)
+    assert plan_preemptible(hi, 10, c).placed == 4

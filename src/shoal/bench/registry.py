@@ -20,6 +20,7 @@ SCENARIOS: dict[str, str] = {
     "lazy": "shoal.bench.scenarios.lazy",
     "fork": "shoal.bench.scenarios.fork",
     "pause": "shoal.bench.scenarios.pause",
+    "tides": "shoal.bench.scenarios.tides",
     "fncall": "shoal.bench.scenarios.fncall",
     "vm": "shoal.bench.scenarios.vm",
     "api": "shoal.bench.scenarios.api",

@@ -22,7 +22,8 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
     adm = node.admission.snapshot()
     by_state: Counter[str] = Counter()
     images: Counter[str] = Counter()
-    for rec in list_records(node.paths.sandboxes):
+    recs = list_records(node.paths.sandboxes)
+    for rec in recs:
         by_state[rec.state] += 1
         if rec.state in LIVE_STATES:
             images[rec.image] += 1
@@ -46,4 +47,6 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
         # container runtimes that passed this node's probe ("auto" takes the first of crun, runc)
         "runtimes": sorted(name for name, st in node.runtime_statuses.items() if st.works),
         "images": dict(images),
+        # memory of running sandboxes idle long enough to be paused for a higher class, per class
+        "idle_mb": node.scheduling.idle_mb(recs),
     }

@@ -14,7 +14,18 @@ from typing import Any
 
 from shoal.errors import CapacityExceeded
 from shoal.models import SandboxSpec
-from shoal.sched import Cluster, NodeState, Placement, Policy, Request, place, place_many, reserve_plan
+from shoal.sched import (
+    Cluster,
+    NodeState,
+    Placement,
+    Policy,
+    Request,
+    job_labels,
+    place,
+    place_many,
+    plan_preemptible,
+    reserve_plan,
+)
 
 Report = Mapping[str, Any]
 #: a node's admission does not limit CPUs (only memory): the view must not either
@@ -38,16 +49,20 @@ def node_state(report: Report, policy: Policy) -> NodeState:
         max_sandboxes=cap, committed_mb=int(mem.get("committed_mb", 0)),
         committed_cpus=float(cpus.get("committed", 0.0)), used_mb=int(mem.get("used_mb", 0)), running=running,
         paused=int(sb.get("paused", 0)), layers=set(report.get("layers") or ()),
-        backends=frozenset(report.get("backends") or ("container",)))
+        backends=frozenset(report.get("backends") or ("container",)),
+        idle_mb={policy.rank(k): int(v) for k, v in (report.get("idle_mb") or {}).items() if k in policy.priorities})
     if room is not None and int(room) <= 0:
         st.healthy = False  # takes nothing now (a cap of 0 would read as "no cap")
     return st
 
 
-def request(spec: SandboxSpec, layers: tuple[str, ...] = (), avoid: Iterable[str] = ()) -> Request:
-    """One create of `spec` as the scheduler's Request."""
+def request(spec: SandboxSpec, layers: tuple[str, ...] = (), avoid: Iterable[str] = (),
+            policy: Policy | None = None) -> Request:
+    """One create of `spec` as the scheduler's Request (its job and priority class from its labels)."""
+    jl = job_labels(spec.labels, policy or Policy(), project=spec.project)
     return Request(cpus=float(spec.cpus), memory_mb=int(spec.memory_mb), disk_mb=0, backend=spec.backend,
-                   image=spec.image, layers=tuple(layers), project=spec.project, avoid=frozenset(avoid))
+                   image=spec.image, layers=tuple(layers), priority=jl.priority, job=jl.job, project=spec.project,
+                   avoid=frozenset(avoid))
 
 
 class ClusterView:
@@ -72,22 +87,33 @@ class ClusterView:
               avoid: Iterable[str] = ()) -> dict[str, int]:
         """Node id → copies for `n` creates of `spec` (fewer in all when the cluster has less room),
         reserved in the view until the next reports."""
-        req = request(spec, layers, avoid)
+        req = request(spec, layers, avoid, self.policy)
+        counts: dict[str, int] = {}
         if n == 1:
             try:
                 p = place(req, self.cluster)
+                self.cluster.reserve(p, req)
+                return {p.node_id: 1}
             except CapacityExceeded:
-                return {}
-            self.cluster.reserve(p, req)
-            return {p.node_id: 1}
-        plan = place_many(req, n, self.cluster)
-        reserve_plan(self.cluster, plan, req)
-        return dict(plan.counts)
+                short = 1
+        else:
+            plan = place_many(req, n, self.cluster)
+            reserve_plan(self.cluster, plan, req)
+            counts = dict(plan.counts)
+            short = plan.short
+        if short:
+            # what fits nowhere may fit where idle lower-priority sandboxes can be paused: those nodes'
+            # admission pauses them itself (shoal.node.scheduling)
+            extra = plan_preemptible(req, short, self.cluster)
+            reserve_plan(self.cluster, extra, req)
+            for nid, k in extra.counts.items():
+                counts[nid] = counts.get(nid, 0) + k
+        return counts
 
     def refused(self, node_id: str, spec: SandboxSpec, count: int) -> None:
         """A node refused `count` of what it was given: stop counting them there."""
         if node_id in self.cluster:
-            self.cluster.release(node_id, request(spec), count)
+            self.cluster.release(node_id, request(spec, policy=self.policy), count)
 
     def pick_node(self) -> str | None:
         """Any node for work that is not a sandbox of its own (power-of-k choices by headroom)."""

@@ -40,6 +40,7 @@ from shoal.cluster.raylink import (
 )
 from shoal.errors import (
     CapacityExceeded,
+    GangUnsatisfiable,
     InvalidRequest,
     NodeUnavailable,
     SandboxError,
@@ -350,15 +351,19 @@ class ClusterTransport(Transport):
             raise it
         return it
 
-    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
+    async def create_many(self, spec: SandboxSpec, n: int, *, all_or_nothing: bool = False
+                          ) -> list[SandboxInfo | ShoalError]:
         """Split by free capacity over the nodes, run the shares concurrently; what a node refuses is
-        placed again elsewhere, until every node refused (then wait as it asks) or the deadline."""
+        placed again elsewhere, until every node refused (then wait as it asks) or the deadline.
+        `all_or_nothing`: a gang over the cluster (see `_create_gang`)."""
         from shoal.spec import check_spec
 
         check_spec(spec)
         n = int(n)
         if not 1 <= n <= 100_000:
             raise InvalidRequest(f"n={n} must be between 1 and 100000")
+        if all_or_nothing:
+            return await self._create_gang(spec, n)
         out: list[SandboxInfo | ShoalError] = []
         todo = n
         avoid: set[str] = set()
@@ -405,6 +410,40 @@ class ClusterTransport(Transport):
             if todo:
                 self._states = None  # what we thought we knew was wrong somewhere
         return out
+
+    async def _create_gang(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
+        """All `n` or none: the scheduler splits the gang over the nodes (pausing idle lower classes where
+        that makes room), each node reserves its share in its own admission before starting any
+        (`all_or_nothing` at the node); if any share fails, what the others started is closed."""
+        plan = await self._plan(spec, n, set())
+        placed = sum(plan.values())
+        if placed < n:
+            for nid, k in plan.items():
+                self._view.refused(nid, spec, k)
+            raise GangUnsatisfiable(
+                f"only {placed} of {n} sandboxes fit on the cluster now (all_or_nothing: none were created); "
+                f"ask for at most {placed}, retry later, or drop all_or_nothing to get as many as fit",
+                requested=n, available=placed)
+        got = await asyncio.gather(*(self._on_node(nid, "create_many", lambda h, k=k: _gang(h, spec, k))
+                                     for nid, k in plan.items()), return_exceptions=True)
+        infos = [i for r in got if isinstance(r, list) for i in r]
+        errs = [r for r in got if isinstance(r, BaseException)]
+        if not errs:
+            return list(infos)
+        self._states = None
+        for nid, r in zip(plan, got, strict=True):
+            if isinstance(r, BaseException):
+                self._view.refused(nid, spec, plan[nid])
+        await asyncio.gather(*(self.close(i.id) for i in infos), return_exceptions=True)
+        e = errs[0]
+        if isinstance(e, GangUnsatisfiable):
+            short = sum(x.requested - x.available for x in errs if isinstance(x, GangUnsatisfiable))
+            raise GangUnsatisfiable(
+                f"a node had less room than it reported, so the gang of {n} did not start ({len(infos)} "
+                "sandboxes that had started were closed); retry", requested=n, available=max(0, n - short))
+        if isinstance(e, ShoalError):
+            raise e
+        raise SandboxError(f"gang create failed: {type(e).__name__}: {e}") from e
 
     async def _create_on(self, node_id: str, spec: SandboxSpec, k: int) -> list[SandboxInfo | ShoalError]:
         try:
@@ -592,6 +631,16 @@ async def _batch(h: Any, spec: SandboxSpec, k: int) -> list[SandboxInfo | ShoalE
     r = await h._request("POST", "/v1/sandboxes/batch", json_body={**body, "n": k}, retry_capacity=False)
     return [decode_info(it["sandbox"]) if it.get("sandbox") is not None else error_from_dict(it.get("error") or {})
             for it in r.json()["items"]]
+
+
+async def _gang(h: Any, spec: SandboxSpec, k: int) -> list[SandboxInfo]:
+    """One node's share of a gang: all `k` (reserved in the node's admission first) or its error."""
+    from shoal.server.codec import decode_info
+
+    body = h._spec_json(spec)
+    r = await h._request("POST", "/v1/sandboxes/batch", json_body={**body, "n": k, "all_or_nothing": True},
+                         retry_capacity=False)
+    return [decode_info(it["sandbox"]) for it in r.json()["items"]]
 
 
 async def _list(h: Any, labels: dict[str, str] | None, project: str | None) -> list[SandboxInfo]:

@@ -206,6 +206,8 @@ class Node(DataPlane):
         extra: dict[str, Any] = {}
         with contextlib.suppress(Exception):
             extra = self.backend(rec.backend).info(rec)
+        if rec.state == "paused" and rec.extra.get("paused_by"):
+            extra["paused_by"] = rec.extra["paused_by"]  # "preempt" or "tides": resumed on its next call
         return SandboxInfo(id=rec.id, image=rec.image, backend=rec.backend, state=rec.state,
                            created_at=rec.created_at, spec=rec.spec, runtime=rec.runtime,
                            expires_at=rec.expires_at, labels=rec.labels, node=self.config.node_id,

@@ -154,6 +154,24 @@ class NodeScheduling:
         if self.trace is not None:
             self.trace.event("resume", sandbox_id)
 
+    def idle_mb(self, recs: list[SandboxRecord]) -> dict[str, int]:
+        """Memory (MiB) of running sandboxes idle at least the policy's min_idle_s, per priority class:
+        what this node reports so a cluster scheduler can send it work that pausing them makes room for."""
+        cutoff = time.time() - self.policy.min_idle_s
+        out: dict[str, int] = {}
+        for rec in recs:
+            if rec.state != "running" or rec.extra.get("pool"):
+                continue
+            if self.last_used.get(rec.id, rec.created_at) > cutoff:
+                continue
+            try:
+                jl = job_labels(rec.labels, self.policy, project=rec.project)
+            except ShoalError:
+                continue
+            name = self.policy.name(jl.priority)
+            out[name] = out.get(name, 0) + int(rec.spec.get("memory_mb", 0))
+        return out
+
     # ---- the one-node view -------------------------------------------------------------------------
     def view(self, *, used: bool = False, backend: str = "container", policy: Policy | None = None) -> Cluster:
         """This node as the scheduler sees it: promised and used memory, and every running sandbox

@@ -23,6 +23,7 @@ from shoal.sched.place import (
     place,
     place_many,
     plan_gang,
+    plan_preemptible,
     release_plan,
     reserve_plan,
     room,
@@ -47,5 +48,6 @@ __all__ = [
     "DEFAULT_PRIORITIES", "LABEL_JOB", "LABEL_MAX_SANDBOXES", "LABEL_PRIORITY", "LABEL_WEIGHT", "BurstPlan",
     "Cluster", "FairQueue", "Job", "JobBook", "JobLabels", "NodeState", "Placement", "Policy", "Request",
     "SandboxView", "as_cluster", "can_resume", "cold_layers", "fits", "job_labels", "labels_for_job", "place",
-    "place_many", "plan_gang", "plan_preemption", "plan_tides", "release_plan", "reserve_plan", "room", "score",
+    "place_many", "plan_gang", "plan_preemptible", "plan_preemption", "plan_tides", "release_plan", "reserve_plan",
+    "room", "score",
 ]

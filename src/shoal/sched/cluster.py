@@ -62,6 +62,8 @@ class Cluster:
         self.rng = random.Random(seed)
         self._nodes: dict[str, NodeState] = {}
         self._up = _IdSet()
+        # healthy nodes with a free cold-mount slot (power-of-k samples these for a cold request)
+        self._mount_free = _IdSet()
         self._layer_nodes: dict[str, _IdSet] = {}
         self._heap: list[tuple[float, str, int]] = []
         # node id -> priority rank -> heap of (last_used, seq, view); stale entries are skipped lazily
@@ -91,6 +93,10 @@ class Cluster:
         """Ids of the nodes that take new sandboxes (do not modify the list)."""
         return self._up.ids
 
+    def mount_free_ids(self) -> list[str]:
+        """Ids of the healthy nodes that may start a cold layer mount now (do not modify the list)."""
+        return self._mount_free.ids
+
     def nodes_with_layer(self, digest: str) -> list[str]:
         """Ids of the nodes that hold a layer (do not modify the list)."""
         s = self._layer_nodes.get(digest)
@@ -111,25 +117,6 @@ class Cluster:
             heapq.heappop(h)
         return None
 
-    def by_headroom(self) -> Iterator[NodeState]:
-        """Healthy nodes, most headroom first (a lazy walk of the heap; the heap is left intact)."""
-        seen: set[str] = set()
-        h = self._heap
-        popped: list[tuple[float, str, int]] = []
-        try:
-            while h:
-                ent = heapq.heappop(h)
-                _, nid, ver = ent
-                n = self._nodes.get(nid)
-                if n is None or n.version != ver or not n.healthy or nid in seen:
-                    continue  # stale: dropped for good
-                popped.append(ent)
-                seen.add(nid)
-                yield n
-        finally:
-            for ent in popped:
-                heapq.heappush(h, ent)
-
     # ---- node reports ----------------------------------------------------------------------------
     def upsert(self, node: NodeState) -> None:
         """Add a node or replace its state with a fresh report (re-indexes its layers and health)."""
@@ -146,6 +133,7 @@ class Cluster:
             self._up.add(node.node_id)
         else:
             self._up.discard(node.node_id)
+        self._mount_slots(node)
         self._touch(node)
 
     def remove(self, node_id: str) -> NodeState | None:
@@ -153,6 +141,7 @@ class Cluster:
         node = self._nodes.pop(node_id, None)
         if node is not None:
             self._up.discard(node_id)
+            self._mount_free.discard(node_id)
             self._idle.pop(node_id, None)
             self._idle_len.pop(node_id, None)
             for d in node.layers:
@@ -164,6 +153,7 @@ class Cluster:
         node = self._nodes[node_id]
         node.healthy = healthy
         (self._up.add if healthy else self._up.discard)(node_id)
+        self._mount_slots(node)
         self._touch(node)
 
     # ---- accounting (a driver calls these as things happen) --------------------------------------
@@ -300,12 +290,14 @@ class Cluster:
                 node.layers.add(d)
                 self._index_layer(node.node_id, d)
                 node.cold_mounts += 1
+        self._mount_slots(node)
 
     def mount_done(self, node_id: str, count: int = 1) -> None:
         """`count` of the node's layer mounts finished (its cold-mount slots free up)."""
         node = self._nodes.get(node_id)
         if node is not None:
             node.cold_mounts = max(0, node.cold_mounts - count)
+            self._mount_slots(node)
 
     def unmounted(self, node_id: str, layers: Iterable[str]) -> None:
         """The node let these layers go (no sandbox uses them)."""
@@ -318,6 +310,12 @@ class Cluster:
                 self._unindex_layer(node_id, d)
 
     # ---- internals ---------------------------------------------------------------------------------
+    def _mount_slots(self, node: NodeState) -> None:
+        if node.healthy and (not node.cold_slots or node.cold_mounts < node.cold_slots):
+            self._mount_free.add(node.node_id)
+        else:
+            self._mount_free.discard(node.node_id)
+
     def _touch(self, node: NodeState) -> None:
         node.version += 1
         if node.healthy:

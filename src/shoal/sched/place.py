@@ -93,7 +93,11 @@ def _candidates(cluster: Cluster, req: Request) -> list[str]:
     if n <= p.choices + p.locality_choices:
         return list(up)
     rnd = cluster.rng.random
-    out = [up[int(rnd() * n)] for _ in range(p.choices)]
+    # a request with layers samples the nodes that may start a mount now (the others only take it if
+    # they hold its layers: the locality picks below)
+    pool = cluster.mount_free_ids() if req.layers else up
+    m = len(pool)
+    out = [pool[int(rnd() * m)] for _ in range(p.choices)] if m else []
     if req.layers and p.locality_choices:
         holders = cluster.nodes_with_layer(req.layers[-1])
         m = len(holders)
@@ -119,19 +123,42 @@ def place(req: Request, nodes: Cluster | Iterable[NodeState], policy: Policy | N
         if s > best_s:
             best, best_s = node, s
     if best is None:
-        # sampling found no room: walk the nodes by headroom (rare; the cluster is nearly full)
-        for node in cluster.by_headroom():
-            s = score(node, req, p)
-            if s != _NEG:
-                best, best_s = node, s
-                break
-    if best is None:
-        if any(score(node, req, p, mounts=False) != _NEG for node in cluster.by_headroom()):
-            raise CapacityExceeded(
-                f"every node with room for a sandbox of image {req.image!r} is busy mounting layers; "
-                "retry in a moment", retry_after_s=0.5, reason="mounting")
-        raise _no_room(cluster, req)
+        best, best_s = _fallback(cluster, req)
     return Placement(best.node_id, cold_layers(best, req) if req.layers else (), (), best_s)
+
+
+def _fallback(cluster: Cluster, req: Request) -> tuple[NodeState, float]:
+    """Sampling found no node: the best of all, or why none (rare: the cluster is full or busy mounting).
+
+    The headroom heap answers "no node has the memory" in O(log n); otherwise one pass over the nodes."""
+    p = cluster.policy
+    top = cluster.most_free()
+    if top is None or cluster.free_mb(top) < req.memory_mb:
+        raise _no_room(cluster, req)
+    if req.layers and not cluster.mount_free_ids() and not cluster.nodes_with_layer(req.layers[-1]):
+        raise _mounting(req)
+    best: NodeState | None = None
+    best_s = _NEG
+    room_later = False
+    get = cluster.node
+    for nid in cluster.healthy_ids():
+        node = get(nid)
+        s = score(node, req, p)
+        if s > best_s:
+            best, best_s = node, s
+        elif best is None and not room_later and req.layers:
+            room_later = score(node, req, p, mounts=False) != _NEG
+    if best is not None:
+        return best, best_s
+    if room_later:
+        raise _mounting(req)
+    raise _no_room(cluster, req)
+
+
+def _mounting(req: Request) -> CapacityExceeded:
+    return CapacityExceeded(
+        f"every node with room for a sandbox of image {req.image!r} is busy mounting layers; retry in a moment",
+        retry_after_s=0.5, reason="mounting")
 
 
 def _no_room(cluster: Cluster, req: Request) -> CapacityExceeded:
@@ -220,6 +247,48 @@ def release_plan(cluster: Cluster, plan: BurstPlan, req: Request) -> None:
         if plan.cold_layers.get(nid):
             cluster.mount_done(nid, len(plan.cold_layers[nid]))
             cluster.unmounted(nid, plan.cold_layers[nid])
+
+
+def plan_preemptible(req: Request, n: int, nodes: Cluster | Iterable[NodeState], policy: Policy | None = None
+                     ) -> BurstPlan:
+    """Copies of `req` (up to `n`) that fit only once nodes pause idle sandboxes of lower classes, from
+    what nodes report (`NodeState.idle_mb`), split in proportion to what each can free.
+
+    For a driver that tracks no sandboxes (the cluster runtime): it sends these copies to their nodes,
+    whose own admission chooses and pauses the victims (`plan_preemption` over the node's sandboxes,
+    shoal.node.scheduling). Reads `nodes` and never changes it: `reserve_plan` counts the plan (the nodes'
+    promised memory then passes their limit in the view by what pausing will free, so the next plan offers
+    only the rest)."""
+    cluster = as_cluster(nodes, policy)
+    p = cluster.policy
+    plan = BurstPlan(requested=int(n))
+    lowest = req.priority + p.preempt_gap
+    if n <= 0 or lowest >= len(p.priorities) or req.memory_mb <= 0:
+        return plan
+    w = p.paused_commit_weight
+    rooms: dict[str, int] = {}
+    get = cluster.node
+    for nid in cluster.healthy_ids():
+        node = get(nid)
+        if req.backend not in node.backends or nid in req.avoid or not node.idle_mb:
+            continue
+        freeable = sum(mb for r, mb in node.idle_mb.items() if r >= lowest)
+        if freeable <= 0 or node.memory_mb - node.used_mb < p.min_free_mb:
+            continue
+        free = node.mem_limit_mb - node.committed_mb - w * node.paused_mb
+        extra = int((free + freeable * (1.0 - w)) // req.memory_mb) - max(0, int(free // req.memory_mb))
+        if node.max_sandboxes:
+            extra = min(extra, node.max_sandboxes - node.running)
+        if extra > 0:
+            rooms[nid] = extra
+    if not rooms:
+        return plan
+    plan.counts = dict(rooms) if sum(rooms.values()) <= n else _split(n, rooms, {k: float(v) for k, v in rooms.items()})
+    for nid in plan.counts:
+        cold = cold_layers(get(nid), req) if req.layers else ()
+        if cold:
+            plan.cold_layers[nid] = cold
+    return plan
 
 
 def plan_gang(req: Request, n: int, nodes: Cluster | Iterable[NodeState], policy: Policy | None = None, *,

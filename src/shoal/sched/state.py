@@ -96,6 +96,9 @@ class NodeState:
     by_job: dict[str, int] = field(default_factory=dict)
     #: live sandboxes preemption and tides may choose from
     sandboxes: dict[str, SandboxView] = field(default_factory=dict)
+    #: memory (MiB) of running sandboxes idle at least Policy.min_idle_s, per priority rank, as the node
+    #: reports it: what pausing could free there (`plan_preemptible`) when the driver tracks no sandboxes
+    idle_mb: dict[int, int] = field(default_factory=dict)
     #: bumped by every change the Cluster index must see (headroom heap entries carry it)
     version: int = 0
 
