@@ -6,6 +6,8 @@
         r = await sb.exec("echo hi")
 """
 
+from typing import TYPE_CHECKING, Any
+
 from shoal.errors import (
     BackendUnavailable,
     CapacityExceeded,
@@ -30,12 +32,24 @@ from shoal.errors import (
     Unauthorized,
     Unsupported,
 )
-from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
+from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 from shoal.sdk.client import Client
 from shoal.sdk.sandbox import Sandbox, Shell, Stream
 from shoal.sdk.sync import SyncClient, SyncSandbox
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from shoal.spec import SandboxSpec
+
+
+def __getattr__(name: str) -> Any:
+    # the spec model loads pydantic: only when it is first used (see shoal.models)
+    if name == "SandboxSpec":
+        from shoal.spec import SandboxSpec
+
+        return SandboxSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",

@@ -1,12 +1,25 @@
-"""Plain data types shared by the SDK, the node agent, the backends and the API server."""
+"""Plain data types shared by the SDK, the node agent, the backends and the API server (the sandbox spec
+is shoal.spec.SandboxSpec, also reachable here)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-Backend = Literal["container", "microvm", "vm", "fncall"]
+if TYPE_CHECKING:
+    pass
+
 SandboxState = Literal["creating", "running", "paused", "stopped", "failed"]
+
+
+def __getattr__(name: str) -> Any:
+    # SandboxSpec is a pydantic model (shoal.spec): loaded on first use, so `import shoal` and the CLI
+    # do not pay for importing pydantic until a spec is built
+    if name == "SandboxSpec":
+        from shoal.spec import SandboxSpec
+
+        return SandboxSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -58,32 +71,6 @@ class DirEntry:
     size: int
     mode: int
     mtime: float
-
-
-@dataclass
-class SandboxSpec:
-    """Everything needed to create a sandbox. Validated by `validate()`."""
-
-    image: str = "base"
-    backend: Backend = "container"
-    runtime: str | None = None  # container: "crun" | "runc" | "gvisor"; None = best available
-    cpus: float = 1.0
-    memory_mb: int = 1024
-    pids: int = 512
-    disk_mb: int = 4096
-    max_output_bytes: int = 1 << 20
-    network: bool = False
-    ttl_s: float | None = 3600.0
-    env: dict[str, str] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    workdir: str | None = None
-    user: str | None = None
-    hostname: str | None = None
-    project: str = "default"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly form."""
-        return asdict(self)
 
 
 @dataclass

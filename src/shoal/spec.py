@@ -1,42 +1,135 @@
-"""The sandbox spec: its limits and defaults in one place (the exec timeout default included)."""
+"""The sandbox spec: one model with its validation, limits and defaults, used by the SDK, the HTTP API
+(`shoal.server.schemas.SpecIn` derives from it), the CLI and the node.
+
+    spec = SandboxSpec(image="base", memory_mb=512)        # InvalidRequest names a bad field
+    SandboxSpec.from_options("base", cpus=2, colour="red")  # InvalidRequest: unknown sandbox option(s)
+
+A spec is validated when it is built and when a field is assigned, so the node trusts a SandboxSpec it is
+given (it never validates twice). The numbers live in shoal.limits; this module loads pydantic, so light
+paths (`import shoal`, the CLI) import it only when they build a spec (`shoal.SandboxSpec` is lazy).
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from shoal import limits as L
+from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
 from shoal.errors import InvalidRequest
-from shoal.models import SandboxSpec
 
-#: how long a command may run when the caller does not say (seconds)
-DEFAULT_EXEC_TIMEOUT_S = 300.0
-#: longest command timeout a caller may ask for (seconds)
-MAX_EXEC_TIMEOUT_S = 7 * 86400
-#: stdout+stderr bytes kept per command unless the spec says otherwise
-DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+# ---- field types (the HTTP schemas use them too)
+#: environment variable names: no '=' and no NUL; values: no NUL
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^=\x00]+$")]
+EnvValue = Annotated[str, StringConstraints(max_length=1 << 20, pattern=r"^[^\x00]*$")]
+Env = dict[EnvName, EnvValue]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+LabelValue = Annotated[str, StringConstraints(max_length=1024)]
+#: a path inside the sandbox (absolute, or relative to the workdir); no NUL
+SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+_NAME = r"[a-z0-9](?:[a-z0-9._/-]{0,126}[a-z0-9])?"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+#: an image reference: name[:tag] or name@sha256:<hex>
+ImageRef = Annotated[str, StringConstraints(max_length=300, pattern=rf"^{_NAME}(?::{_TAG}|@sha256:[0-9a-f]{{64}})?$")]
+#: the name of a new image: name[:tag]
+NEW_IMAGE_RE = rf"^{_NAME}(?::{_TAG})?$"
+#: a user inside the sandbox (name or uid)
+UserName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00:]+$")]
+Hostname = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9-]{1,63}$")]
+#: a project: 1-63 lowercase letters, digits and '-'
+PROJECT_RE = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
+ProjectName = Annotated[str, StringConstraints(pattern=PROJECT_RE)]
 
 
-def check_spec(spec: SandboxSpec) -> SandboxSpec:
-    """Reject impossible limits with a message naming the field."""
-    from shoal.backends.registry import check_backend_name
-    from shoal.node.records import validate_labels
+class SandboxSpec(BaseModel):
+    """Everything needed to create a sandbox. Invalid values raise InvalidRequest naming the field."""
 
-    check_backend_name(spec.backend)
-    checks = [
-        ("cpus", 0.01 <= float(spec.cpus) <= 256, "between 0.01 and 256"),
-        ("memory_mb", 16 <= int(spec.memory_mb) <= 1 << 20, "between 16 and 1048576"),
-        ("pids", 8 <= int(spec.pids) <= 1 << 22, "between 8 and 4194304"),
-        ("disk_mb", 1 <= int(spec.disk_mb) <= 1 << 24, "between 1 and 16777216"),
-        ("max_output_bytes", 0 <= int(spec.max_output_bytes) <= 1 << 30, "between 0 and 1 GiB"),
-    ]
-    for name, ok, rng in checks:
-        if not ok:
-            raise InvalidRequest(f"{name}={getattr(spec, name)!r} is out of range: must be {rng}")
-    if spec.ttl_s is not None and not (0 < float(spec.ttl_s) <= 30 * 86400):
-        raise InvalidRequest(f"ttl_s={spec.ttl_s!r} must be positive and at most 30 days (or None)")
-    if not isinstance(spec.env, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
-            for k, v in spec.env.items()):
-        raise InvalidRequest("env must map non-empty names without '=' or NUL to strings")
-    validate_labels(spec.labels)
-    if spec.hostname is not None and not (0 < len(spec.hostname) <= 63 and all(
-            c.isalnum() or c == "-" for c in spec.hostname)):
-        raise InvalidRequest(f"hostname {spec.hostname!r} must be 1-63 letters, digits or '-'")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    image: ImageRef = Field(L.DEFAULT_IMAGE, description="image reference: name[:tag] or name@sha256:…")
+    backend: str = Field(L.DEFAULT_BACKEND, description="where the sandbox runs (see docs/architecture.md)",
+                         json_schema_extra={"enum": backend_names()})
+    runtime: str | None = Field(None, description="container runtime; null = the best that works here",
+                                json_schema_extra={"enum": ["auto", *runtime_names(), None]})
+    cpus: float = Field(L.DEFAULT_CPUS, ge=L.CPUS_RANGE[0], le=L.CPUS_RANGE[1])
+    memory_mb: int = Field(L.DEFAULT_MEMORY_MB, ge=L.MEMORY_MB_RANGE[0], le=L.MEMORY_MB_RANGE[1])
+    pids: int = Field(L.DEFAULT_PIDS, ge=L.PIDS_RANGE[0], le=L.PIDS_RANGE[1])
+    disk_mb: int = Field(L.DEFAULT_DISK_MB, ge=L.DISK_MB_RANGE[0], le=L.DISK_MB_RANGE[1])
+    max_output_bytes: int = Field(L.DEFAULT_MAX_OUTPUT_BYTES, ge=L.MAX_OUTPUT_BYTES_RANGE[0],
+                                  le=L.MAX_OUTPUT_BYTES_RANGE[1], description="bytes of stdout+stderr kept per command")
+    network: bool = False
+    ttl_s: float | None = Field(L.DEFAULT_TTL_S, gt=0, le=L.MAX_TTL_S,
+                                description="seconds until auto-close; null = never")
+    env: Env = Field(default_factory=dict, description="environment variables (names without '=' or NUL)")
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    workdir: SandboxPath | None = None
+    user: UserName | None = None
+    hostname: Hostname | None = None
+    project: ProjectName = L.DEFAULT_PROJECT
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise spec_error(e) from None
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        return check_backend_name(v)
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, v: str | None) -> str | None:
+        return None if v is None else check_runtime_name(v)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise spec_error(e) from None
+
+    @classmethod
+    def from_options(cls, image: str = L.DEFAULT_IMAGE, **options: Any) -> SandboxSpec:
+        """A spec from keyword options (the SDK's `client.create(image, **options)`)."""
+        unknown = set(options) - set(cls.model_fields)
+        if unknown:
+            raise InvalidRequest(f"unknown sandbox option(s): {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(sorted(set(cls.model_fields) - {'image'}))}",
+                                 errors=[{"field": k, "message": "unknown option"} for k in sorted(unknown)])
+        return cls(image=image, **options)
+
+    @classmethod
+    def from_record(cls, spec: dict[str, Any], **changes: Any) -> SandboxSpec:
+        """A spec from a sandbox record's `spec` (keys this version does not know are left out)."""
+        known = cls.model_fields
+        return cls(**{**{k: v for k, v in spec.items() if k in known}, **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (fresh dicts: changing it never changes the spec)."""
+        return self.model_dump()
+
+
+def spec_error(e: ValidationError) -> InvalidRequest:
+    """A pydantic error about a spec as shoal's InvalidRequest: one line per bad field, with its value."""
+    errors = []
+    for err in e.errors(include_url=False):
+        field = ".".join(str(p) for p in err["loc"]) or "spec"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown option"
+        errors.append({"field": field, "message": msg})
+    text = "; ".join(f"{x['field']}: {x['message']}" for x in errors)
+    first = e.errors(include_url=False)[0] if e.errors() else {}
+    given = f" (got {first.get('input')!r})" if len(errors) == 1 and first.get("type") != "extra_forbidden" else ""
+    return InvalidRequest(f"invalid sandbox spec: {text}{given}", errors=errors)
+
+
+def check_spec(spec: object) -> SandboxSpec:
+    """The node's entry check: a SandboxSpec is valid by construction (built and assigned through its
+    validation), so only its type is checked here."""
+    if not isinstance(spec, SandboxSpec):
+        raise InvalidRequest(f"a sandbox spec must be a shoal.SandboxSpec, not {type(spec).__name__} "
+                             "(build one with SandboxSpec(image=..., ...))")
     return spec

@@ -18,9 +18,10 @@ from shoal.errors import ShoalError, Unsupported
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.images.store import Image
-    from shoal.models import SandboxInfo, SandboxSpec
+    from shoal.models import SandboxInfo
     from shoal.node.context import NodeContext
     from shoal.node.records import SandboxRecord
+    from shoal.spec import SandboxSpec
 
 
 class Capability(enum.Enum):

@@ -26,12 +26,12 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
-from shoal.models import SandboxSpec
 from shoal.node import disk_guard
 from shoal.node.disk import UpperPool
 from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
 from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient

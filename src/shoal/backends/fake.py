@@ -20,6 +20,7 @@ import os
 import posixpath
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,15 +29,14 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentproto.client import AgentClient
 from shoal.backends.base import Backend, Capability
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
-from shoal.host.spawn import run
 from shoal.node.records import proc_starttime
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import _Stream
     from shoal.images.store import Image
-    from shoal.models import SandboxSpec
     from shoal.node.context import NodeContext
     from shoal.node.records import SandboxRecord
+    from shoal.spec import SandboxSpec
 
 #: request fields that are paths inside the sandbox, by agent operation
 _PATH_OPS = frozenset({"read_file", "write_file", "list_dir", "stat", "mkdir", "remove"})
@@ -146,8 +146,9 @@ class FakeBackend(Backend):
             root = self.root(rec)
             root.mkdir()
             for layer in image.layers:
-                r = await run(["fsck.erofs", f"--extract={root}", "--overwrite", "--no-preserve-owner",
-                               str(layer.path)], timeout=120)
+                r = await asyncio.to_thread(
+                    subprocess.run, ["fsck.erofs", f"--extract={root}", "--overwrite", "--no-preserve-owner",
+                                     str(layer.path)], capture_output=True, timeout=120)
                 if r.returncode != 0:
                     raise SandboxError(f"fake backend: extracting layer {layer.hex[:12]} failed: "
                                        f"{(r.stderr or r.stdout).decode(errors='replace').strip()[-500:]}")
@@ -165,11 +166,11 @@ class FakeBackend(Backend):
             # the agent must outlive this process (crash-only, like a container): started by a shell that
             # exits at once, it belongs to nobody here
             script = '"$0" --listen "$1" </dev/null >>"$2" 2>&1 & echo $!'
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", script, str(self.ctx.agent_binary), str(sock), str(log), cwd=str(root), env=env,
-                stdout=asyncio.subprocess.PIPE, start_new_session=True)
-            out, _ = await proc.communicate()
-            pid = int(out.strip() or 0)
+            # (a blocking run in a thread, not an asyncio subprocess: those hang under uvloop off the main thread)
+            r = await asyncio.to_thread(
+                subprocess.run, ["/bin/sh", "-c", script, str(self.ctx.agent_binary), str(sock), str(log)],
+                cwd=str(root), env=env, stdout=subprocess.PIPE, start_new_session=True, timeout=30)
+            pid = int(r.stdout.strip() or 0)
             start = proc_starttime(pid) if pid else None
             if not pid or start is None:
                 raise SandboxError(f"fake backend: the agent did not start ({log.read_text()[-500:]})")

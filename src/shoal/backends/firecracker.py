@@ -36,8 +36,8 @@ from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.images.store import Image
-from shoal.models import SandboxSpec
 from shoal.node.records import SandboxRecord, proc_starttime
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient

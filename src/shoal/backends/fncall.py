@@ -28,7 +28,8 @@ from shoal.backends.fncall_languages import ALL_TOOLS, FNCALL_IMAGE, Language, g
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
 from shoal.config import settings
 from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, QuotaExceeded, ShoalError
-from shoal.models import ExecResult, RunCodeResult, SandboxSpec
+from shoal.models import ExecResult, RunCodeResult
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient

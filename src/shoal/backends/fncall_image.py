@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shoal.errors import ImageBuildError, ImageNotFound
-from shoal.models import SandboxSpec
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.node.node import Node

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import SandboxError, ShoalError, Timeout
-from shoal.models import SandboxSpec
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient, ExecStream

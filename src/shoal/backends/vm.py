@@ -55,8 +55,9 @@ from shoal.errors import (
     Timeout,
 )
 from shoal.images.store import Image
-from shoal.models import SandboxInfo, SandboxSpec
+from shoal.models import SandboxInfo
 from shoal.node.records import SandboxRecord, validate_labels
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.node.context import NodeContext
@@ -563,7 +564,7 @@ async def _restore_one(ctx: NodeContext, snap: Path, meta: dict[str, Any]) -> Sa
     """A new sandbox resumed from a saved VM: same memory, processes, and disks (copied)."""
     from shoal.backends.vm_images import copy_sparse
 
-    spec = SandboxSpec(**meta["spec"])
+    spec = SandboxSpec.from_record(meta["spec"])
     backend = ctx.backend(meta["backend"])
     if not isinstance(backend, QemuVmBackend):
         raise BackendUnavailable("restoring a VM memory snapshot needs the QEMU VM backend")

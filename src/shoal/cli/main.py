@@ -11,6 +11,14 @@ import typer
 from rich.table import Table
 
 from shoal.cli.common import console, err_console, make_client, run_async
+from shoal.limits import (
+    DEFAULT_BACKEND,
+    DEFAULT_CPUS,
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_IMAGE,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_TTL_S,
+)
 
 app = typer.Typer(help="shoal: isolated, stateful sandboxes for agentic RL.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -72,8 +80,9 @@ def _spec_kwargs(backend: str, runtime: str | None, cpus: float, memory_mb: int,
 
 @app.command()
 def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
-        backend: str = "container", runtime: str | None = None, cpus: float = 1.0, memory_mb: int = 1024,
-        network: bool = False, timeout: float = 300.0, url: UrlOpt = None) -> None:
+        backend: str = DEFAULT_BACKEND, runtime: str | None = None, cpus: float = DEFAULT_CPUS,
+        memory_mb: int = DEFAULT_MEMORY_MB, network: bool = False, timeout: float = DEFAULT_EXEC_TIMEOUT_S,
+        url: UrlOpt = None) -> None:
     """Run one command in a fresh sandbox, print its output, remove the sandbox: `shoal run base -- ls /`."""
     async def go() -> int:
         async with make_client(url, keep=False) as client:
@@ -95,10 +104,11 @@ def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (afte
 
 
 @app.command()
-def create(image: Annotated[str, typer.Argument()] = "base",
+def create(image: Annotated[str, typer.Argument()] = DEFAULT_IMAGE,
            n: Annotated[int, typer.Option("-n", help="how many")] = 1,
-           backend: str = "container", runtime: str | None = None, cpus: float = 1.0, memory_mb: int = 1024,
-           network: bool = False, ttl: Annotated[float | None, typer.Option(help="seconds until auto-stop")] = 3600,
+           backend: str = DEFAULT_BACKEND, runtime: str | None = None, cpus: float = DEFAULT_CPUS,
+           memory_mb: int = DEFAULT_MEMORY_MB, network: bool = False,
+           ttl: Annotated[float | None, typer.Option(help="seconds until auto-stop")] = DEFAULT_TTL_S,
            env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE")] = None,
            label: Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE")] = None,
            url: UrlOpt = None) -> None:
@@ -133,7 +143,8 @@ def create(image: Annotated[str, typer.Argument()] = "base",
 
 @app.command("exec")
 def exec_(sandbox_id: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
-          timeout: float = 300.0, cwd: str | None = None, user: str | None = None, url: UrlOpt = None) -> None:
+          timeout: float = DEFAULT_EXEC_TIMEOUT_S, cwd: str | None = None, user: str | None = None,
+          url: UrlOpt = None) -> None:
     """Run a command in an existing sandbox: `shoal exec ID -- make test`."""
     async def go() -> int:
         async with make_client(url) as client:

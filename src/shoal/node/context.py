@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
     from shoal.backends.runtime import RuntimeStatus
-    from shoal.models import SandboxInfo, SandboxSpec
+    from shoal.models import SandboxInfo
     from shoal.node.network import NetworkManager
+    from shoal.spec import SandboxSpec
 
 
 class SandboxHost(Protocol):

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, DEFAULT_MAX_OUTPUT_BYTES, MAX_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult
-from shoal.spec import DEFAULT_EXEC_TIMEOUT_S, DEFAULT_MAX_OUTPUT_BYTES, MAX_EXEC_TIMEOUT_S
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient

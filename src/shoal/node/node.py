@@ -20,7 +20,6 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from shoal.agentbin import find_agent_binary
@@ -31,7 +30,7 @@ from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalErr
 from shoal.fsutil import sha256_file
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
-from shoal.models import SandboxInfo, SandboxSpec, StreamEvent
+from shoal.models import SandboxInfo, StreamEvent
 from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
 from shoal.node.context import NodeContext
@@ -40,7 +39,6 @@ from shoal.node.pool import WarmPool
 from shoal.node.records import SandboxRecord, check_sandbox_id, list_records
 from shoal.node.recovery import Recovery
 from shoal.node.statelock import SandboxLocks
-from shoal.spec import check_spec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
@@ -48,6 +46,7 @@ if TYPE_CHECKING:
     from shoal.backends.runtime import RuntimeStatus
     from shoal.node.network import NetworkManager
     from shoal.node.protect import Protection
+    from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +127,11 @@ class Node(DataPlane):
             self.recovery.start_reaper()
             self.scheduling.start()
         self._started = True
-        for image, size in self.config.warm_pool.items():
-            self.set_warm_pool(SandboxSpec(image=image), size)
+        if self.config.warm_pool:
+            from shoal.spec import SandboxSpec
+
+            for image, size in self.config.warm_pool.items():
+                self.set_warm_pool(SandboxSpec(image=image), size)
         return self
 
     async def stop(self) -> None:
@@ -216,6 +218,8 @@ class Node(DataPlane):
     # ---- create / close -----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Create one sandbox and wait until its agent answers (or hand out one from a warm pool)."""
+        from shoal.spec import check_spec
+
         check_spec(spec)
         self.scheduling.check_job(spec)
         image = await self.resolve_image(spec.image)
@@ -283,6 +287,8 @@ class Node(DataPlane):
         `all_or_nothing` (a gang): admission for all `n` is reserved before any starts, or
         GangUnsatisfiable is raised (with how many fit); if one then fails to start, the others are
         closed and its error is raised. Gangs do not draw from the warm pool."""
+        from shoal.spec import check_spec
+
         check_spec(spec)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_BATCH:
             raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_BATCH}")
@@ -297,7 +303,7 @@ class Node(DataPlane):
                 res: SandboxInfo | ShoalError
                 try:
                     hit = await self.pool.take(spec, image) if self.pool.active else None
-                    res = hit if hit is not None else await self.start_sandbox(replace(spec), image)
+                    res = hit if hit is not None else await self.start_sandbox(spec.model_copy(), image)
                 except ShoalError as e:
                     res = e
                 except Exception as e:
@@ -320,7 +326,7 @@ class Node(DataPlane):
                     res.release()
                     return None
                 try:
-                    info = await self.start_sandbox(replace(spec), image, reservation=res)
+                    info = await self.start_sandbox(spec.model_copy(), image, reservation=res)
                 except BaseException as e:
                     failed.append(e)
                     return None
@@ -575,8 +581,8 @@ def _raise_nofile() -> None:
 
 
 def _spec_dict(spec: SandboxSpec) -> dict[str, Any]:
-    # what dataclasses.asdict gives for this flat spec, without its recursive deep copy
-    return {**vars(spec), "env": dict(spec.env), "labels": dict(spec.labels)}
+    # what model_dump() gives for this flat model, in a tenth of its time (two creates' worth per ms)
+    return {**spec.__dict__, "env": dict(spec.env), "labels": dict(spec.labels)}
 
 
 async def aiter_events(handle: Any) -> AsyncIterator[StreamEvent]:

@@ -21,17 +21,16 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from shoal.config import parse_warm_pool, settings
 from shoal.errors import InvalidRequest, SandboxNotFound, ShoalError
-from shoal.models import SandboxInfo, SandboxSpec
-from shoal.spec import check_spec
+from shoal.models import SandboxInfo
 
 if TYPE_CHECKING:
     from shoal.images.store import Image
     from shoal.node.node import Node
+    from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +73,8 @@ class WarmPool:
 
     def configure(self, spec: SandboxSpec, size: int) -> str:
         """Keep `size` sandboxes of `spec` ready (0 removes the pool; its sandboxes are closed by `trim`)."""
+        from shoal.spec import check_spec
+
         check_spec(spec)
         if not 0 <= int(size) <= 100_000:
             raise InvalidRequest(f"warm pool size {size} must be between 0 and 100000")
@@ -82,7 +83,9 @@ class WarmPool:
         pool = self.pools.get(key)
         if pool is None:
             # no TTL while waiting; a project of its own so quotas never count pooled sandboxes
-            pool = self.pools[key] = _Pool(key, replace(spec, labels={}, ttl_s=None, project="_pool"), image,
+            # (an internal project name, outside what users may name: model_copy does not validate)
+            pool = self.pools[key] = _Pool(key, spec.model_copy(update={"labels": {}, "ttl_s": None,
+                                                                        "project": "_pool"}), image,
                                            int(size))
         pool.size = int(size)
         self._kick(pool)
@@ -114,7 +117,7 @@ class WarmPool:
             now = time.time()
             rec.extra.pop("pool", None)
             rec.extra["pooled_s"] = round(now - rec.created_at, 3)
-            rec.spec = {**vars(spec), "env": dict(spec.env), "labels": dict(spec.labels)}
+            rec.spec = spec.model_dump()
             rec.labels = dict(spec.labels)
             rec.project = spec.project
             rec.created_at = now
@@ -137,7 +140,7 @@ class WarmPool:
         async def one() -> None:
             try:
                 async with sem:
-                    info = await self.node.start_sandbox(replace(pool.spec), pool.image, extra={"pool": pool.key})
+                    info = await self.node.start_sandbox(pool.spec.model_copy(), pool.image, extra={"pool": pool.key})
                 if pool.size > len(pool.ready) and self.pools.get(pool.key) is pool:
                     pool.ready.append(info.id)
                     pool.failures = 0

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import secrets
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,8 @@ from shoal.images.erofs import build_erofs
 from shoal.images.pack import check_layer_budget, footprint, pack_upper, upper_is_empty
 from shoal.images.refs import parse_ref
 from shoal.images.store import ImageConfig, ImageStore, Layer
-from shoal.models import SandboxInfo, SandboxSpec
+from shoal.models import SandboxInfo
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.node.node import Node
@@ -199,7 +199,7 @@ async def _thaw_after_snapshot(node: Node, rec: SandboxRecord) -> None:
 
 
 def _child_spec(rec: SandboxRecord, image_ref: str, overrides: dict[str, Any]) -> SandboxSpec:
-    known = {f.name for f in fields(SandboxSpec)}
+    known = set(SandboxSpec.model_fields)
     unknown = set(overrides) - known - {"image"}
     if unknown:
         raise InvalidRequest(f"unknown sandbox option(s) for fork: {', '.join(sorted(unknown))}; "

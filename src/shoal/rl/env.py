@@ -136,7 +136,8 @@ class SandboxEnv:
     def __init__(self, task: Task, client: Any | None = None, *, max_steps: int = 50, step_timeout: float = 120.0,
                  partial_reward: bool = False, memory_mb: int = 1024, cpus: float = 1.0,
                  grade_semaphore: asyncio.Semaphore | None = None, labels: dict[str, str] | None = None,
-                 time_limit_s: float | None = None, ttl_s: float | None = None) -> None:
+                 time_limit_s: float | None = None, ttl_s: float | None = None,
+                 backend: str = "container") -> None:
         if not isinstance(task, (SWETask, HarborTask)):
             raise InvalidRequest(f"SandboxEnv needs a SWETask or HarborTask, got {type(task).__name__}")
         if max_steps < 1:
@@ -152,6 +153,8 @@ class SandboxEnv:
         self.labels = labels or {}
         #: the sandbox's shoal TTL (None: the client's default): a backstop for trainers that never close
         self.ttl_s = ttl_s
+        #: the backend of the episode's sandboxes (and of SWE grading sandboxes)
+        self.backend = backend
         #: wall-clock budget of an episode (Harbor tasks: their agent timeout); past it, the next step grades
         self.time_limit_s = time_limit_s if time_limit_s is not None else (
             task.agent_timeout_s if isinstance(task, HarborTask) else None)
@@ -185,7 +188,8 @@ class SandboxEnv:
         t0 = time.monotonic()
         t = self.task
         kw: dict[str, Any] = dict(network=bool(getattr(t, "network", False)), memory_mb=self.memory_mb,
-                                  cpus=self.cpus, labels={"shoal.rl/role": "agent", **self.labels})
+                                  cpus=self.cpus, labels={"shoal.rl/role": "agent", **self.labels},
+                                  backend=self.backend)
         if isinstance(t, HarborTask):
             kw["memory_mb"], kw["cpus"] = max(self.memory_mb, t.memory_mb), max(self.cpus, t.cpus)
         if t.workdir:
@@ -292,7 +296,7 @@ class SandboxEnv:
                 await self._close_sandbox()  # the agent's sandbox is done; the grader starts from the image
                 async with self._grading():
                     self.grade = await grade_patch(self.client, self.task, patch, partial=self.partial_reward,
-                                                   labels=self.labels)
+                                                   labels=self.labels, backend=self.backend)
             else:
                 async with self._grading():
                     self.grade = await grade_final_state(self.sandbox, self.task)

@@ -141,7 +141,7 @@ def _reset_tests_script(task: SWETask) -> str:
 
 async def grade_patch(client: Client, task: SWETask, patch: str | None, *, partial: bool = False,
                       timeout_s: float | None = None, memory_mb: int = 1024, cpus: float = 1.0,
-                      labels: dict[str, str] | None = None) -> Grade:
+                      labels: dict[str, str] | None = None, backend: str = "container") -> Grade:
     """Grade a SWE-style submission (a unified diff against the task's base commit) in a fresh sandbox."""
     t0 = time.monotonic()
     phases: dict[str, float] = {}
@@ -153,7 +153,7 @@ async def grade_patch(client: Client, task: SWETask, patch: str | None, *, parti
         patch += "\n"  # a diff cut at its last newline is still a diff; git apply insists on the newline
     limit = float(timeout_s or task.timeout_s)
     try:
-        sb = await client.create(task.image, network=False, memory_mb=memory_mb, cpus=cpus,
+        sb = await client.create(task.image, network=False, memory_mb=memory_mb, cpus=cpus, backend=backend,
                                  ttl_s=max(600.0, limit * 3),
                                  labels={"shoal.rl/role": "grader", **(labels or {})})
     except ShoalError as e:

@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from shoal.errors import InvalidRequest, ShoalError
-from shoal.models import SandboxInfo, SandboxSpec
+from shoal.errors import ShoalError
+from shoal.models import SandboxInfo
 from shoal.sdk.sandbox import Sandbox
 from shoal.sdk.transport import Transport
 
 if TYPE_CHECKING:
     from shoal.sdk.jobs import Job
+    from shoal.spec import SandboxSpec
 
 
 class Client:
@@ -82,12 +83,9 @@ class Client:
 
     @staticmethod
     def _spec(image: str, kw: dict[str, Any]) -> SandboxSpec:
-        known = set(SandboxSpec.__dataclass_fields__)
-        unknown = set(kw) - known
-        if unknown:
-            raise InvalidRequest(f"unknown sandbox option(s): {', '.join(sorted(unknown))}; "
-                                 f"known: {', '.join(sorted(known - {'image'}))}")
-        return SandboxSpec(image=image, **kw)
+        from shoal.spec import SandboxSpec  # loads pydantic: not before the first create
+
+        return SandboxSpec.from_options(image, **kw)
 
     async def create(self, image: str = "base", **kw: Any) -> Sandbox:
         """Create one sandbox (options: backend, runtime, cpus, memory_mb, pids, disk_mb, network, ttl_s,

@@ -18,12 +18,13 @@ import time
 import urllib.parse
 import weakref
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from shoal.errors import CapacityExceeded, InvalidRequest, ShoalError, Timeout, error_from_dict
-from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
+from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 from shoal.node.records import check_sandbox_id
 from shoal.sdk.transport import Transport
 from shoal.server.codec import (
@@ -33,6 +34,9 @@ from shoal.server.codec import (
     decode_info,
     decode_run_code_result,
 )
+
+if TYPE_CHECKING:
+    from shoal.spec import SandboxSpec
 
 _CHUNK = 1 << 20  # stdin bytes per WebSocket message
 _SLACK_S = 30.0   # how much longer than a command's own timeout an exec request may take
@@ -214,9 +218,11 @@ class HttpTransport(Transport):
         if not self._shards:
             n = max(1, -(-self._max_connections // _SHARD_CONNECTIONS))
             per = max(1, -(-self._max_connections // n))
+            # each client loads the CA bundle for its TLS context (~0.1 s of CPU): plain http needs none
+            verify = self._verify if self.url.startswith("https://") else False
             # twice its share of connections: hashing never spreads sandboxes perfectly evenly
             self._shards = [httpx.AsyncClient(
-                base_url=self.url, headers=self._headers, verify=self._verify,
+                base_url=self.url, headers=self._headers, verify=verify,
                 timeout=httpx.Timeout(connect=10.0, read=self.timeout, write=60.0, pool=None),
                 limits=httpx.Limits(max_connections=2 * per, max_keepalive_connections=per)) for _ in range(n)]
 
@@ -345,7 +351,7 @@ class HttpTransport(Transport):
         await self._request("DELETE", f"/v1/sandboxes/{_sid(sandbox_id)}")
 
     # ---- commands -------------------------------------------------------------------------------
-    async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = 300.0,
+    async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                    cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                    stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
         body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
@@ -379,7 +385,7 @@ class HttpTransport(Transport):
             except Exception as e:
                 raise TransportError(f"cannot open a stream to {self.url}: {type(e).__name__}: {e}") from None
 
-    async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = 300.0,
+    async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                      tty: bool = False, stdin: bool = False) -> HttpStream:
         ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
@@ -388,8 +394,8 @@ class HttpTransport(Transport):
         return await st._open({"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
                                "tty": tty, "stdin": stdin})
 
-    async def shell_stream(self, sandbox_id: str, shell_id: str, cmd: str, *, timeout: float | None = 300.0,
-                           max_output: int | None = None) -> HttpStream:
+    async def shell_stream(self, sandbox_id: str, shell_id: str, cmd: str, *,
+                           timeout: float | None = DEFAULT_EXEC_TIMEOUT_S, max_output: int | None = None) -> HttpStream:
         """Run a command in a persistent shell and stream its output (HTTP transport extra)."""
         ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
         st = HttpStream(ws)
@@ -418,7 +424,8 @@ class HttpTransport(Transport):
                                 json_body={"cwd": cwd, "env": env, "user": user})
         return str(r.json()["shell_id"])
 
-    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *, timeout: float | None = 300.0,
+    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *,
+                        timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                         max_output: int | None = None) -> ExecResult:
         r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/shells/{_q(shell_id)}/run",
                                 json_body={"cmd": cmd, "timeout": timeout, "max_output": max_output},

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.config import NodeConfig, Paths
 from shoal.errors import ShoalError
-from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec
+from shoal.models import DirEntry, ExecResult, SandboxInfo
 from shoal.node.node import Node
 from shoal.sdk.transport import StreamHandle, Transport
+
+if TYPE_CHECKING:
+    from shoal.spec import SandboxSpec
 
 
 class LocalTransport(Transport):

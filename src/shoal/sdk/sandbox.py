@@ -6,13 +6,15 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ShoalError
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 from shoal.sdk.transport import StreamHandle, Transport
 
 if TYPE_CHECKING:
     from shoal.sdk.client import Client
 
-DEFAULT_TIMEOUT = 300.0
+#: how long exec/stream/shell commands may run unless told (seconds; shoal.limits)
+DEFAULT_TIMEOUT = DEFAULT_EXEC_TIMEOUT_S
 
 
 class Shell:
@@ -165,13 +167,17 @@ class Sandbox:
         raised (the children that were made stay owned by the client and close with it).
         """
         items = await self._t.fork(self.id, n, **kw)
-        out = []
+        out: list[Sandbox] = []
+        # every child that was made is owned before any error is raised: one failed child must not
+        # leave the good ones after it running past the client's close
+        for it in items:
+            if isinstance(it, SandboxInfo):
+                sb = Sandbox(self._client, it)
+                self._client._owned.add(sb.id)
+                out.append(sb)
         for it in items:
             if isinstance(it, ShoalError):
                 raise it
-            sb = Sandbox(self._client, it)
-            self._client._owned.add(sb.id)
-            out.append(sb)
         return out
 
     async def refresh(self) -> SandboxInfo:

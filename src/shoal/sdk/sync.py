@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shoal.errors import ShoalError
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 from shoal.sdk.bridge import Bridge
 from shoal.sdk.client import Client
@@ -24,7 +25,7 @@ class SyncShell:
         self._loop, self._s = loop, shell
         self.id = shell.id
 
-    def run(self, cmd: str, timeout: float | None = 300.0) -> ExecResult:
+    def run(self, cmd: str, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S) -> ExecResult:
         """Run one command in the session."""
         return self._loop.run(self._s.run(cmd, timeout=timeout))
 

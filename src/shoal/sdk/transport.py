@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.errors import ShoalError
-from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
+from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
+
+if TYPE_CHECKING:
+    from shoal.spec import SandboxSpec
 
 
 class StreamHandle(Protocol):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import fields
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -14,7 +13,7 @@ from fastapi import Path as PathParam
 from pydantic import StringConstraints
 
 from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
-from shoal.models import SandboxInfo, SandboxSpec
+from shoal.models import SandboxInfo
 from shoal.server.codec import b64decode_field, encode_exec_result
 from shoal.server.deps import Namespace, ServerState, authorized, owned, state_of
 from shoal.server.responses import SANDBOX_ERRORS, errors
@@ -35,12 +34,13 @@ from shoal.server.schemas import (
 )
 from shoal.server.store_quota import store_budget
 from shoal.server.tokens import Principal, check_project
+from shoal.spec import SandboxSpec
 
 log = logging.getLogger("shoal.server")
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 Who = Annotated[Principal, Depends(authorized)]
 SidPath = Annotated[str, PathParam(max_length=200, description="sandbox id (`<node>-<26 chars>`)")]
-_SPEC_FIELDS = {f.name for f in fields(SandboxSpec)}
+_SPEC_FIELDS = frozenset(SandboxSpec.model_fields)
 ShellId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="shell id from open_shell")]
 LabelFilter = Annotated[str, StringConstraints(pattern=r"^[^=]+=.*$", max_length=2048)]
 
@@ -129,7 +129,7 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
 
     async def one() -> SandboxInfo | BaseException:
         try:
-            info = await _create_one(st, SandboxSpec(**{k: getattr(spec, k) for k in _SPEC_FIELDS}))
+            info = await _create_one(st, spec.model_copy())
         except ShoalError as e:
             return e
         except Exception as e:

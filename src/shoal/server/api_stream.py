@@ -26,6 +26,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from shoal.errors import InvalidRequest, ShoalError, Timeout
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S
 from shoal.server.codec import STDERR_TAG, STDOUT_TAG, encode_exec_result
 from shoal.server.deps import owned, state_of
 from shoal.server.schemas import _In
@@ -39,7 +40,7 @@ class StreamStart(_In):
 
     cmd: str | list[str]
     shell: str | None = Field(None, max_length=200)
-    timeout: float | None = Field(300.0, gt=0, le=7 * 86400)
+    timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_EXEC_TIMEOUT_S)
     cwd: str | None = Field(None, max_length=4096)
     env: dict[str, str] | None = None
     user: str | None = Field(None, max_length=256)

@@ -1,5 +1,6 @@
 """Request and response bodies of the HTTP API (pydantic v2): they validate input with field names
-(answered as 422) and they are what `/openapi.json` documents."""
+(answered as 422) and they are what `/openapi.json` documents. The sandbox spec (`SpecIn`) is the SDK's
+own model, shoal.spec.SandboxSpec: the same fields, limits and defaults."""
 
 from __future__ import annotations
 
@@ -7,28 +8,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S
+from shoal.spec import (
+    NEW_IMAGE_RE,
+    PROJECT_RE,
+    Env,
+    ImageRef,
+    SandboxPath,
+    SandboxSpec,
+    UserName,
+)
+
 #: largest `n` of one batch create or fork (a server may set a lower limit)
 MAX_BATCH = 4096
-#: environment variable names: no '=' and no NUL; values: no NUL
-EnvName = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^=\x00]+$")]
-EnvValue = Annotated[str, StringConstraints(max_length=1 << 20, pattern=r"^[^\x00]*$")]
-Env = dict[EnvName, EnvValue]
-LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
-LabelValue = Annotated[str, StringConstraints(max_length=1024)]
-#: a path inside the sandbox (absolute, or relative to the workdir); no NUL
-SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
 #: an absolute path inside the sandbox
 AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
 #: a command: a non-empty string, or a non-empty argv
 Arg = Annotated[str, StringConstraints(max_length=1 << 20, pattern=r"^[^\x00]*$")]
 #: standard base64 (RFC 4648, padded)
 B64 = Annotated[str, StringConstraints(pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$")]
-_NAME = r"[a-z0-9](?:[a-z0-9._/-]{0,126}[a-z0-9])?"
-_TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
-#: an image reference: name[:tag] or name@sha256:<hex>
-ImageRef = Annotated[str, StringConstraints(max_length=300, pattern=rf"^{_NAME}(?::{_TAG}|@sha256:[0-9a-f]{{64}})?$")]
-#: the name of a new image: name[:tag]
-NEW_IMAGE_RE = rf"^{_NAME}(?::{_TAG})?$"
 NewImageName = Annotated[str, StringConstraints(max_length=300, pattern=NEW_IMAGE_RE)]
 Command = Annotated[str, StringConstraints(min_length=1, max_length=1 << 20, pattern=r"^[^\x00]*\S[^\x00]*$")] | \
     Annotated[list[Arg], Field(min_length=1, max_length=100_000)]
@@ -40,26 +38,15 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SpecIn(_In):
-    """A sandbox to create (defaults as in the Python SDK's `client.create`)."""
+class SpecIn(SandboxSpec):
+    """A sandbox to create: the SDK's `SandboxSpec` (same fields, limits and defaults), plus who may
+    choose its project."""
 
-    image: ImageRef = Field("base", description="image reference: name[:tag] or name@sha256:…")
-    backend: Literal["container", "microvm", "vm", "fncall"] = "container"
-    runtime: Literal["auto", "crun", "runc", "gvisor"] | None = Field(None, description="container runtime")
-    cpus: float = Field(1.0, ge=0.01, le=256)
-    memory_mb: int = Field(1024, ge=16, le=1 << 20)
-    pids: int = Field(512, ge=8, le=1 << 22)
-    disk_mb: int = Field(4096, ge=1, le=1 << 24)
-    max_output_bytes: int = Field(1 << 20, ge=0, le=1 << 30)
-    network: bool = False
-    ttl_s: float | None = Field(3600.0, gt=0, le=30 * 86400, description="seconds until auto-close; null = never")
-    env: Env = Field(default_factory=dict, description=_ENV_DOC)
-    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
-    workdir: SandboxPath | None = None
-    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
-    hostname: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,63}$")
-    project: str | None = Field(None, pattern=r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
-                                description="admin tokens only: create in this project")
+    # pydantic's own constructor: a request body's errors stay per field (422 with `details.errors`)
+    # instead of becoming one InvalidRequest as in SandboxSpec(...)
+    __init__ = BaseModel.__init__
+    project: Annotated[str, StringConstraints(pattern=PROJECT_RE)] | None = Field(
+        None, description="admin tokens only: create in this project")
 
 
 class BatchIn(SpecIn):
@@ -75,10 +62,11 @@ class ExecIn(_In):
     """A command to run to completion."""
 
     cmd: Command = Field(..., description="a string runs under bash -c; a list is an argv")
-    timeout: float | None = Field(300.0, gt=0, le=7 * 86400, description="seconds; null = no limit")
+    timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_EXEC_TIMEOUT_S,
+                                 description="seconds; null = no limit")
     cwd: AbsPath | None = None
     env: Env | None = Field(None, description=_ENV_DOC)
-    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
+    user: UserName | None = None
     stdin: B64 | None = Field(None, max_length=1 << 26, description="base64 bytes fed to the command's stdin")
     max_output: int | None = Field(None, ge=0, le=1 << 30, description="bytes of stdout+stderr kept")
 
@@ -88,14 +76,14 @@ class ShellOpenIn(_In):
 
     cwd: AbsPath | None = None
     env: Env | None = None
-    user: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00:]+$")
+    user: UserName | None = None
 
 
 class ShellRunIn(_In):
     """One command for a persistent shell."""
 
     cmd: Annotated[str, StringConstraints(min_length=1, max_length=1 << 20, pattern=r"^[^\x00]*$")]
-    timeout: float | None = Field(300.0, gt=0, le=7 * 86400)
+    timeout: float | None = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=MAX_EXEC_TIMEOUT_S)
     max_output: int | None = Field(None, ge=0, le=1 << 30)
 
 

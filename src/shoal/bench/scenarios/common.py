@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.bench.context import BenchContext
-from shoal.models import SandboxInfo, SandboxSpec
+from shoal.models import SandboxInfo
+from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     import shoal

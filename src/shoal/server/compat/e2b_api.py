@@ -26,11 +26,12 @@ from shoal.errors import (
     SandboxNotFound,
     ShoalError,
 )
-from shoal.models import SandboxInfo, SandboxSpec
+from shoal.models import SandboxInfo
 from shoal.node.records import SandboxRecord
 from shoal.server.compat import common
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
+from shoal.spec import SandboxSpec
 
 log = logging.getLogger("shoal.server")
 router = APIRouter(include_in_schema=False)
