@@ -66,7 +66,7 @@ def test_single_creates_prefer_nodes_holding_the_image() -> None:
     spec = SandboxSpec(memory_mb=100)
     for _ in range(5):
         assert view.split(spec, 1, layers=("base", "task")) == {"warm": 1}
-    assert view.split(SandboxSpec(memory_mb=10**7), 1) == {}  # fits nowhere
+    assert view.split(SandboxSpec(memory_mb=1 << 20), 1) == {}  # fits nowhere (the largest spec allowed)
 
 
 def test_quota_tracker_counts_the_cluster_snapshot_and_keeps_newer_commits() -> None:
