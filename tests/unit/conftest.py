@@ -4,6 +4,7 @@ here without root. The in-sandbox agent is the real one (built by `make agent`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -46,10 +47,18 @@ def fake_config(home: Path, **kw: object) -> NodeConfig:
 
 
 def _agents_under(home: Path) -> list[int]:
-    """Live fake-sandbox agents of this home (their command line names its sockets' sandboxes)."""
-    from shoal.node.records import list_records
-
-    return [r.init_pid for r in list_records(home / "home" / "sandboxes") if r.init_alive()]
+    """Live fake-sandbox agents started from this home (the node runs its copy of the agent binary)."""
+    binary = str(home / "home" / "guest" / "shoal-agent").encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if f.read().split(b"\0", 1)[0] == binary:
+                        out.append(int(name))
+            except OSError:
+                continue
+    return out
 
 
 @pytest.fixture
@@ -61,7 +70,7 @@ def fake_home(tmp_path: Path) -> Iterator[Path]:
         from shoal.backends.fake import descendants
 
         for p in [pid, *descendants(pid)]:
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, 9)
     assert not left, f"sandbox agents left running: {left}"
 

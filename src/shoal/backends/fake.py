@@ -167,18 +167,31 @@ class FakeBackend(Backend):
             # exits at once, it belongs to nobody here
             script = '"$0" --listen "$1" </dev/null >>"$2" 2>&1 & echo $!'
             # (a blocking run in a thread, not an asyncio subprocess: those hang under uvloop off the main thread)
-            r = await asyncio.to_thread(
+            launch = asyncio.ensure_future(asyncio.to_thread(
                 subprocess.run, ["/bin/sh", "-c", script, str(self.ctx.agent_binary), str(sock), str(log)],
-                cwd=str(root), env=env, stdout=subprocess.PIPE, start_new_session=True, timeout=30)
-            pid = int(r.stdout.strip() or 0)
-            start = proc_starttime(pid) if pid else None
-            if not pid or start is None:
+                cwd=str(root), env=env, stdout=subprocess.PIPE, start_new_session=True, timeout=30))
+            try:
+                r = await asyncio.shield(launch)
+            except asyncio.CancelledError:
+                # the thread starts the agent anyway: learn its pid, so the cleanup below can kill it
+                with contextlib.suppress(Exception):
+                    self._set_init(rec, (await launch).stdout)
+                raise
+            if not self._set_init(rec, r.stdout):
                 raise SandboxError(f"fake backend: the agent did not start ({log.read_text()[-500:]})")
-            rec.init_pid, rec.init_start = pid, start
             rec.save()
         except BaseException:
             await self.destroy(rec)
             raise
+
+    @staticmethod
+    def _set_init(rec: SandboxRecord, pid_line: bytes) -> bool:
+        pid = int(pid_line.strip() or 0)
+        start = proc_starttime(pid) if pid else None
+        if not pid or start is None:
+            return False
+        rec.init_pid, rec.init_start = pid, start
+        return True
 
     async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
         """Connect to the agent's socket (waiting for it to listen)."""

@@ -140,7 +140,8 @@ class WarmPool:
         async def one() -> None:
             try:
                 async with sem:
-                    info = await self.node.start_sandbox(pool.spec.model_copy(), pool.image, extra={"pool": pool.key})
+                    info = await self.node.start_sandbox(pool.spec.model_copy(), pool.image,
+                                                         extra={"pool": pool.key})
                 if pool.size > len(pool.ready) and self.pools.get(pool.key) is pool:
                     pool.ready.append(info.id)
                     pool.failures = 0
@@ -153,19 +154,27 @@ class WarmPool:
                 pool.inflight -= 1
 
         tasks: set[asyncio.Task] = set()
-        while True:
-            want = pool.size - len(pool.ready) - pool.inflight
-            if want <= 0 and not tasks:
-                break
-            if want > 0 and pool.failures < 3:
-                for _ in range(want):
-                    pool.inflight += 1
-                    tasks.add(asyncio.ensure_future(one()))
-            if not tasks:
-                await asyncio.sleep(1.0 * pool.failures)  # back off after failures, then try again
-                pool.failures = max(0, pool.failures - 1)
-                continue
-            _done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            while True:
+                want = pool.size - len(pool.ready) - pool.inflight
+                if want <= 0 and not tasks:
+                    break
+                if want > 0 and pool.failures < 3:
+                    for _ in range(want):
+                        pool.inflight += 1
+                        tasks.add(asyncio.ensure_future(one()))
+                if not tasks:
+                    await asyncio.sleep(1.0 * pool.failures)  # back off after failures, then try again
+                    pool.failures = max(0, pool.failures - 1)
+                    continue
+                _done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # the pool is closing: creates in flight are cancelled (each cleans up after itself) and
+            # waited for, so none finishes later and leaves a sandbox nobody will hand out or close
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         await self.trim(pool)
 
     async def trim(self, pool: _Pool) -> None:
