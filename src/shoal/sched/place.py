@@ -128,30 +128,32 @@ def place(req: Request, nodes: Cluster | Iterable[NodeState], policy: Policy | N
 
 
 def _fallback(cluster: Cluster, req: Request) -> tuple[NodeState, float]:
-    """Sampling found no node: the best of all, or why none (rare: the cluster is full or busy mounting).
+    """Sampling found no node: the best of the nodes that could take it, or why none.
 
-    The headroom heap answers "no node has the memory" in O(log n); otherwise one pass over the nodes."""
+    The headroom heap answers "no node has the memory" in O(log n). A request with layers can only go
+    to a node with a free mount slot or one that holds its image, so only those are scanned: during a
+    burst, when most nodes are busy mounting, that is a few nodes, not all of them."""
     p = cluster.policy
     top = cluster.most_free()
     if top is None or cluster.free_mb(top) < req.memory_mb:
         raise _no_room(cluster, req)
-    if req.layers and not cluster.mount_free_ids() and not cluster.nodes_with_layer(req.layers[-1]):
-        raise _mounting(req)
+    up = cluster.healthy_ids()
+    free = cluster.mount_free_ids()
+    cand: Iterable[str] = up
+    if req.layers:
+        cand = dict.fromkeys([*free, *cluster.nodes_with_layer(req.layers[-1])])
     best: NodeState | None = None
     best_s = _NEG
-    room_later = False
     get = cluster.node
-    for nid in cluster.healthy_ids():
+    for nid in cand:
         node = get(nid)
         s = score(node, req, p)
         if s > best_s:
             best, best_s = node, s
-        elif best is None and not room_later and req.layers:
-            room_later = score(node, req, p, mounts=False) != _NEG
     if best is not None:
         return best, best_s
-    if room_later:
-        raise _mounting(req)
+    if req.layers and len(free) < len(up):
+        raise _mounting(req)  # nodes busy mounting may have room once their mounts finish
     raise _no_room(cluster, req)
 
 
