@@ -44,3 +44,16 @@ def test_api_example_against_a_server(tmp_path: Path, api_server) -> None:
     out = _run(_python_block("docs/api.md", 0), tmp_path,
                env={"SHOAL_URL": api_server.url, "SHOAL_TOKEN": api_server.token})
     assert "stdout b'1\\n'" in out and "b'1 /tmp\\n'" in out and "10 created" in out and "typed error:" in out
+
+
+def test_scheduling_sdk_example(tmp_path: Path, base_image: str) -> None:
+    out = _run(_python_block("docs/scheduling.md", 0), tmp_path)
+    lines = out.splitlines()
+    assert lines[0] == "8 train-rollout" and lines[1].startswith("gang refused, would fit now:")
+    assert lines[2] == "8 8"
+
+
+def test_scheduling_driver_contract_example(tmp_path: Path) -> None:
+    code = _python_block("docs/scheduling.md", 1) + "\nprint(p.node_id, sorted(req.avoid))\n"
+    out = _run(code, tmp_path).split()
+    assert out[0] in ("n1", "n2") and out[0] not in out[1:]
