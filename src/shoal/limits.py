@@ -3,6 +3,8 @@ import: the CLI and the SDK read them without loading the spec model, see shoal.
 
 from __future__ import annotations
 
+from shoal.errors import InvalidRequest
+
 #: how long a command may run when the caller does not say (seconds)
 DEFAULT_EXEC_TIMEOUT_S = 300.0
 #: longest command timeout a caller may ask for (seconds)
@@ -29,3 +31,65 @@ DISK_MB_RANGE = (1, 1 << 24)
 MAX_OUTPUT_BYTES_RANGE = (0, 1 << 30)
 #: the longest TTL (seconds); a TTL must be positive
 MAX_TTL_S = 30 * 86400.0
+
+# ---- what a command may cost the node (issue 19, items 5 and 6)
+#: a command's output is held in the node (and the API server) until it ends: per stream at most an
+#: eighth of the sandbox's memory (so both streams of one command take at most a quarter of it), at
+#: least 1 MiB, at most 256 MiB. Streams (stream(), WebSocket) are not held: they are bounded by
+#: backpressure instead (shoal.agentproto.client)
+MAX_OUTPUT_FRACTION = 8
+MAX_OUTPUT_CEILING = 256 << 20
+#: the kernel refuses one environment string longer than this at exec (MAX_ARG_STRLEN, with its NUL)
+MAX_ENV_STRING = (128 << 10) - 1
+#: all of a sandbox's (or a command's) environment, in bytes of NAME=VALUE strings
+MAX_ENV_BYTES = 512 << 10
+#: labels of one sandbox: how many, and their characters in all (every record and listing carries them)
+MAX_LABELS = 64
+MAX_LABEL_BYTES = 16 << 10
+
+
+def output_limit(memory_mb: int) -> int:
+    """The most output bytes per stream a sandbox of `memory_mb` may keep for one command."""
+    return max(1 << 20, min(MAX_OUTPUT_CEILING, (int(memory_mb) << 20) // MAX_OUTPUT_FRACTION))
+
+
+def check_env(env: object, what: str = "env") -> None:
+    """Names without '=' or NUL, string values, each NAME=VALUE and the whole set within the kernel's and
+    the agent's limits (a larger one fails at exec with E2BIG, or overflows a protocol frame)."""
+    if env is None:
+        return
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+            for k, v in env.items()):
+        raise InvalidRequest(f"{what} must map non-empty names without '=' or NUL to strings")
+    total = 0
+    for k, v in env.items():
+        n = len(k.encode("utf-8", "surrogateescape")) + len(v.encode("utf-8", "surrogateescape")) + 1
+        if n > MAX_ENV_STRING:
+            raise InvalidRequest(f"{what} variable {k[:60]!r} is {n} bytes; one variable may have at most "
+                                 f"{MAX_ENV_STRING} (the kernel's limit): pass big data as a file or stdin",
+                                 field=what, limit_bytes=MAX_ENV_STRING)
+        total += n + 1
+    if total > MAX_ENV_BYTES:
+        raise InvalidRequest(f"{what} is {total} bytes in all, over the limit of {MAX_ENV_BYTES}: pass big data "
+                             "as a file or stdin", field=what, limit_bytes=MAX_ENV_BYTES)
+
+
+def check_labels(labels: dict[str, str]) -> dict[str, str]:
+    """At most MAX_LABELS labels of at most MAX_LABEL_BYTES characters in all."""
+    if len(labels) > MAX_LABELS:
+        raise InvalidRequest(f"{len(labels)} labels: at most {MAX_LABELS} per sandbox")
+    total = sum(len(k) + len(v) for k, v in labels.items())
+    if total > MAX_LABEL_BYTES:
+        raise InvalidRequest(f"labels take {total} characters in all, over the limit of {MAX_LABEL_BYTES}")
+    return labels
+
+
+def check_output_bytes(max_output_bytes: int, memory_mb: int) -> None:
+    """max_output_bytes within what a sandbox of `memory_mb` may keep (0: that much)."""
+    out_max = output_limit(memory_mb)
+    if not 0 <= int(max_output_bytes) <= out_max:
+        raise InvalidRequest(
+            f"max_output_bytes={max_output_bytes!r} is out of range: with memory_mb={memory_mb} it may be at "
+            f"most {out_max} (an eighth of the memory, at most 256 MiB; 0 = that much). Stream the command "
+            "(stream()) to see more output", limit_bytes=out_max)

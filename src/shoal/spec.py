@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from shoal import limits as L
 from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
@@ -84,6 +84,23 @@ class SandboxSpec(BaseModel):
     def _known_runtime(cls, v: str | None) -> str | None:
         return None if v is None else check_runtime_name(v)
 
+    @field_validator("env")
+    @classmethod
+    def _env_fits(cls, v: dict[str, str]) -> dict[str, str]:
+        L.check_env(v)  # the kernel's limits on one variable and on all of them (issue 19, item 5)
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_fit(cls, v: dict[str, str]) -> dict[str, str]:
+        return L.check_labels(v)
+
+    @model_validator(mode="after")
+    def _output_fits_memory(self) -> SandboxSpec:
+        # kept output is held in the node's memory: bounded by the sandbox's own (issue 19, item 6)
+        L.check_output_bytes(self.max_output_bytes, self.memory_mb)
+        return self
+
     def __setattr__(self, name: str, value: Any) -> None:
         try:
             super().__setattr__(name, value)
@@ -122,7 +139,11 @@ def spec_error(e: ValidationError) -> InvalidRequest:
         errors.append({"field": field, "message": msg})
     text = "; ".join(f"{x['field']}: {x['message']}" for x in errors)
     first = e.errors(include_url=False)[0] if e.errors() else {}
-    given = f" (got {first.get('input')!r})" if len(errors) == 1 and first.get("type") != "extra_forbidden" else ""
+    given = ""
+    if len(errors) == 1 and first.get("type") != "extra_forbidden":
+        shown = repr(first.get("input"))
+        # (a refused value may be megabytes: an env of 2 MB, thousands of labels)
+        given = f" (got {shown if len(shown) <= 200 else shown[:200] + '…'})"
     return InvalidRequest(f"invalid sandbox spec: {text}{given}", errors=errors)
 
 

@@ -33,6 +33,11 @@ from . import frames as F
 
 DEFAULT_MAX_OUTPUT = 1 << 20
 _READ_SIZE = 1 << 18
+# Output a consumer has not taken yet, per stream: past _HIGH the connection stops reading (the agent's
+# socket, then the command's pipe, fill up and the command waits) until the consumer is down to _LOW.
+# Without it a slow consumer (a WebSocket client on a slow link) made the node buffer everything.
+_HIGH = 4 << 20
+_LOW = 1 << 20
 
 # Ops whose `not_found` & co. are about the cwd of a process, not about a file the caller named.
 _PROCESS_OPS = frozenset({"exec", "shell_open", "shell_run", "shell_close"})
@@ -83,7 +88,7 @@ def agent_error(op: str, payload: Mapping[str, Any]) -> ShoalError:
 class _Stream:
     """Frames of one stream, in order, plus the connection's failure if it dies first."""
 
-    __slots__ = ("closed", "id", "items", "op", "waiter")
+    __slots__ = ("closed", "drained", "id", "items", "nbytes", "op", "waiter")
 
     def __init__(self, sid: int, op: str) -> None:
         self.id = sid
@@ -91,9 +96,15 @@ class _Stream:
         self.items: deque[F.Frame | SandboxError] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False  # a terminal frame (or the failure) was delivered
+        #: payload bytes queued and not yet taken by the consumer
+        self.nbytes = 0
+        #: set when the reader waits for this stream's consumer to catch up (see _HIGH)
+        self.drained: asyncio.Event | None = None
 
     def put(self, item: F.Frame | SandboxError) -> None:
         self.items.append(item)
+        if not isinstance(item, SandboxError):
+            self.nbytes += len(item.payload)
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -111,6 +122,9 @@ class _Stream:
             # keeps tracebacks from piling up on one shared instance.
             raise SandboxError(item.message, **item.details)
         self.items.popleft()
+        self.nbytes -= len(item.payload)
+        if self.drained is not None and self.nbytes <= _LOW:
+            self.drained.set()
         return item
 
     def terminated_early(self) -> bool:
@@ -262,6 +276,7 @@ class AgentClient:
         self._reader = reader
         self._writer = writer
         self._streams: dict[int, _Stream] = {}
+        self._backlogged: _Stream | None = None  # a stream past _HIGH seen by the last dispatch
         self._ids = itertools.count(1)
         self._lost: SandboxError | None = None
         self._decoder = F.FrameDecoder()
@@ -349,6 +364,13 @@ class AgentClient:
                     break
                 for fr in self._decoder.feed(data):
                     self._dispatch(fr)
+                full = self._backlogged
+                if full is not None:
+                    self._backlogged = None
+                    if full.nbytes > _HIGH and self._streams.get(full.id) is full:
+                        full.drained = asyncio.Event()
+                        await full.drained.wait()
+                        full.drained = None
         except asyncio.CancelledError:
             reason = "the client closed the connection"
             raise
@@ -368,10 +390,14 @@ class AgentClient:
             del self._streams[fr.stream]
             s.closed = True
         s.put(fr)
+        if s.nbytes > _HIGH and not s.closed:
+            self._backlogged = s
 
     def _forget(self, s: _Stream) -> None:
         if self._streams.get(s.id) is s:
             del self._streams[s.id]
+        if s.drained is not None:
+            s.drained.set()  # nobody will read it any more: the reader goes on (its frames are dropped)
 
     def _new_stream(self, op: str) -> _Stream:
         if self._lost is not None:
@@ -397,7 +423,14 @@ class AgentClient:
     async def _open(self, op: str, **fields: Any) -> _Stream:
         s = self._new_stream(op)
         try:
-            await self._send(F.encode_request(s.id, op, **fields))
+            try:
+                frame = F.encode_request(s.id, op, **fields)
+            except ValueError as e:
+                # the caller's input (a huge env, argv or cwd), not a failure of the sandbox
+                raise InvalidRequest(f"{op} request is too large for the agent protocol ({e}): send less "
+                                     "(environment, arguments); pass big data as stdin or a file",
+                                     limit_bytes=F.MAX_PAYLOAD) from None
+            await self._send(frame)
         except BaseException:
             self._forget(s)
             raise

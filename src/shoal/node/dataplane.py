@@ -11,7 +11,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest
-from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, DEFAULT_MAX_OUTPUT_BYTES, MAX_EXEC_TIMEOUT_S
+from shoal.limits import (
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    MAX_EXEC_TIMEOUT_S,
+    check_env,
+    output_limit,
+)
 from shoal.models import DirEntry, ExecResult
 
 if TYPE_CHECKING:
@@ -45,7 +51,8 @@ class DataPlane:
         argv = _argv(cmd, self.config.posix_sh)
         rec = self.record(sandbox_id)
         cwd, user = _exec_defaults(rec, cwd, user)
-        cap = _output_cap(rec) if max_output is None else max_output
+        cap = _output_cap(rec, max_output)
+        check_env(env)
         check_timeout(timeout)
         return await self.call(rec, lambda c: c.exec(
             argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap, stdin=stdin))
@@ -57,9 +64,12 @@ class DataPlane:
         argv = _argv(cmd, self.config.posix_sh)
         rec = self.record(sandbox_id)
         cwd, user = _exec_defaults(rec, cwd, user)
+        check_env(env)
         check_timeout(timeout)
         c = await self.client(sandbox_id, rec)
-        return await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=_output_cap(rec),
+        # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
+        cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
+        return await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
                                    tty=tty, stdin=stdin)
 
     # ---- files ----------------------------------------------------------------------------------
@@ -91,6 +101,7 @@ class DataPlane:
         """Start a persistent bash session in the sandbox; returns its id."""
         rec = self.record(sandbox_id)
         cwd, user = _exec_defaults(rec, cwd, user)
+        check_env(env)
         return await self.call(rec, lambda c: c.shell_open(cwd=cwd, env=env, user=user))
 
     async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *,
@@ -100,7 +111,7 @@ class DataPlane:
             raise InvalidRequest("shell commands are strings")
         check_timeout(timeout)
         rec = self.record(sandbox_id)
-        cap = _output_cap(rec) if max_output is None else max_output
+        cap = _output_cap(rec, max_output)
         return await self.call(rec, lambda c: c.shell_run(shell_id, cmd, timeout=timeout, max_output=cap))
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
@@ -125,8 +136,18 @@ def _exec_defaults(rec: SandboxRecord, cwd: str | None, user: str | None) -> tup
             user or spec.get("user") or rec.extra.get("user") or None)
 
 
-def _output_cap(rec: SandboxRecord) -> int:
-    return int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
+def _output_cap(rec: SandboxRecord, asked: int | None = None) -> int:
+    """Output bytes per stream kept for one command run to completion: what the call or the spec asks
+    (0: as much as allowed), never more than the sandbox's memory allows (spec.output_limit)."""
+    limit = output_limit(int(rec.spec.get("memory_mb") or 1024))
+    cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES)) if asked is None else int(asked)
+    if cap < 0:
+        raise InvalidRequest(f"max_output={asked!r} must be 0 or more bytes")
+    if cap > limit:
+        raise InvalidRequest(f"max_output={cap} is over this sandbox's limit of {limit} bytes per stream (an "
+                             "eighth of its memory, at most 256 MiB): stream the command to see more",
+                             limit_bytes=limit)
+    return cap or limit
 
 
 def _abspath(rec: SandboxRecord, path: str) -> str:

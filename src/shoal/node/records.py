@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.errors import InvalidRequest, SandboxNotFound
 from shoal.fsutil import read_json
+from shoal.limits import check_labels
 
 _B32 = "abcdefghijklmnopqrstuvwxyz234567"
 
@@ -206,5 +207,7 @@ def validate_labels(labels: dict[str, str]) -> dict[str, str]:
         raise InvalidRequest("labels must be a mapping of strings to strings")
     for k, v in labels.items():
         if not isinstance(k, str) or not isinstance(v, str) or not k or len(k) > 128 or len(v) > 1024:
-            raise InvalidRequest(f"bad label {k!r}={v!r}: keys 1-128 chars, values ≤1024 chars, both strings")
-    return dict(labels)
+            raise InvalidRequest(f"bad label {str(k)[:60]!r}={str(v)[:60]!r}: keys 1-128 chars, values ≤1024 "
+                                 "chars, both strings")
+    # every record, listing and API answer carries them: a few short pairs, not a data store
+    return dict(check_labels(labels))

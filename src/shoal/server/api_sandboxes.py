@@ -10,11 +10,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.responses import StreamingResponse
 from pydantic import StringConstraints
 
 from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
 from shoal.models import SandboxInfo
-from shoal.server.codec import b64decode_field, encode_exec_result
+from shoal.server.codec import STREAM_JSON_ABOVE, b64decode_field, encode_exec_result, iter_exec_result_json
 from shoal.server.deps import Namespace, ServerState, authorized, owned, state_of
 from shoal.server.responses import SANDBOX_ERRORS, errors
 from shoal.server.schemas import (
@@ -207,7 +208,7 @@ async def close_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> Resp
 
 @router.post("/{sandbox_id}/exec", response_model=ExecOut, response_model_exclude_none=True,
              responses=SANDBOX_ERRORS, summary="Run a command to completion")
-async def exec_command(sandbox_id: SidPath, body: ExecIn, request: Request, who: Who) -> dict[str, Any]:
+async def exec_command(sandbox_id: SidPath, body: ExecIn, request: Request, who: Who) -> Any:
     """Run a command; the answer carries exit code, output, duration and whether it timed out."""
     st = state_of(request)
     await owned(st, who, sandbox_id)
@@ -216,6 +217,13 @@ async def exec_command(sandbox_id: SidPath, body: ExecIn, request: Request, who:
     r = await st.node.exec(sandbox_id, body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env,
                            user=body.user, stdin=stdin, max_output=body.max_output)
     st.metrics.exec_seconds.labels("exec").observe(time.perf_counter() - t0)
+    return _exec_response(r)
+
+
+def _exec_response(r: Any) -> Any:
+    # a big result goes out in pieces, never as one whole JSON copy in memory (see codec)
+    if len(r.stdout) + len(r.stderr) > STREAM_JSON_ABOVE:
+        return StreamingResponse(iter_exec_result_json(r), media_type="application/json")
     return encode_exec_result(r)
 
 
@@ -274,14 +282,14 @@ async def open_shell(sandbox_id: SidPath, body: ShellOpenIn, request: Request, w
 @router.post("/{sandbox_id}/shells/{shell_id}/run", response_model=ExecOut, response_model_exclude_none=True,
              responses=SANDBOX_ERRORS, summary="Run a command in a shell")
 async def run_in_shell(sandbox_id: SidPath, shell_id: ShellId, body: ShellRunIn, request: Request,
-                    who: Who) -> dict[str, Any]:
+                       who: Who) -> Any:
     """Run one command in the session (a timeout interrupts the command; the shell lives on)."""
     st = state_of(request)
     await owned(st, who, sandbox_id)
     t0 = time.perf_counter()
     r = await st.node.shell_run(sandbox_id, shell_id, body.cmd, timeout=body.timeout, max_output=body.max_output)
     st.metrics.exec_seconds.labels("shell").observe(time.perf_counter() - t0)
-    return encode_exec_result(r)
+    return _exec_response(r)
 
 
 @router.delete("/{sandbox_id}/shells/{shell_id}", status_code=204, responses=SANDBOX_ERRORS,

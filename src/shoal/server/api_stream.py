@@ -58,8 +58,9 @@ def validation_error(e: ValidationError, where: str = "body") -> InvalidRequest:
 
 async def _send_error(ws: WebSocket, e: ShoalError) -> None:
     with contextlib.suppress(Exception):
-        await ws.send_json({"type": "error", "error": e.to_dict()})
-        await ws.close(code=4000 + int(e.http_status))
+        async with asyncio.timeout(5.0):  # a client that reads nothing does not keep the handler
+            await ws.send_json({"type": "error", "error": e.to_dict()})
+            await ws.close(code=4000 + int(e.http_status))
 
 
 async def _start(ws: WebSocket, st: Any, sandbox_id: str, who: Any) -> Any:
@@ -88,15 +89,25 @@ async def _start(ws: WebSocket, st: Any, sandbox_id: str, who: Any) -> Any:
                                 user=start.user, tty=start.tty, stdin=start.stdin)
 
 
-async def _pump(ws: WebSocket, h: Any) -> ShoalError | None:
-    """Forward output to the client and the client's input to the command until one side ends."""
+async def _pump(ws: WebSocket, h: Any, send_timeout_s: float = 60.0) -> ShoalError | None:
+    """Forward output to the client and the client's input to the command until one side ends.
+
+    Output is never buffered here: a client that does not read holds up the command (the agent
+    connection stops reading past a few MiB, see shoal.agentproto.client); one that reads nothing for
+    `send_timeout_s` is dropped, and its command killed, like one that disconnects."""
 
     async def pump_out() -> None:
         async for ev in h:
-            if ev.kind == "exit":
-                await ws.send_json({"type": "exit", "result": encode_exec_result(ev.result)})
-                return
-            await ws.send_bytes(bytes([STDOUT_TAG if ev.kind == "stdout" else STDERR_TAG]) + ev.data)
+            try:
+                async with asyncio.timeout(send_timeout_s):
+                    if ev.kind == "exit":
+                        await ws.send_json({"type": "exit", "result": encode_exec_result(ev.result)})
+                        return
+                    await ws.send_bytes(bytes([STDOUT_TAG if ev.kind == "stdout" else STDERR_TAG]) + ev.data)
+            except TimeoutError:
+                with contextlib.suppress(Exception):
+                    await h.send_signal(signal.SIGKILL)
+                raise Timeout(f"the client read no output for {send_timeout_s:g}s; the command was killed") from None
 
     async def pump_in() -> ShoalError | None:
         while True:
@@ -163,7 +174,7 @@ async def stream(ws: WebSocket, sandbox_id: str) -> None:
         async with st.limiter.slot(who.token_id):
             h = await _start(ws, st, sandbox_id, who)
             await ws.send_json({"type": "started"})
-            problem = await _pump(ws, h)
+            problem = await _pump(ws, h, st.settings.send_timeout_s)
         if problem is not None:
             st.metrics.errors.labels(problem.code).inc()
             await _send_error(ws, problem)

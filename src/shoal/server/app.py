@@ -152,6 +152,44 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+class CrashGuard:
+    """ASGI middleware: an unexpected exception becomes the JSON 500 here, and goes no further.
+
+    Starlette answers a handler-less exception itself but then re-raises it, and uvicorn closes the
+    connection of a request that raised after its response started, without `Connection: close`: the
+    client's next request on that keep-alive connection failed with a read error (issue 19, item 5).
+    Only an exception after the response started (mid-stream) still closes the connection: nothing
+    else can tell the client the body is incomplete."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(msg: dict[str, Any]) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            with contextlib.suppress(Exception):
+                state = scope["app"].state.shoal
+                state.metrics.errors.labels("internal_error").inc()
+            resp = error_response(500, {"code": "shoal_error", "message": f"internal error ({type(exc).__name__}): "
+                                        f"{exc}; the server log has the traceback", "details": {}})
+            await resp(scope, receive, send)
+
+
 class RequestMetrics:
     """ASGI middleware: count requests and time them by route template (not by raw path)."""
 
@@ -223,6 +261,7 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
     app.include_router(api_stream.router)
     _system_routes(app)
     _include_fusion(app)
+    app.add_middleware(CrashGuard)
     app.add_middleware(BodyGuard, settings=settings)
     app.add_middleware(RequestMetrics, state_getter=lambda: state)
     # E2B and SWE-ReX compatible APIs; their router middleware goes outermost, so the limits and metrics

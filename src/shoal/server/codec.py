@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
+import json
+from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -34,6 +37,52 @@ def encode_exec_result(r: ExecResult) -> dict[str, Any]:
     if hasattr(r, "alive"):
         d["alive"] = bool(r.alive)
     return d
+
+
+#: results with more output than this are sent as a stream of JSON pieces (iter_exec_result_json)
+STREAM_JSON_ABOVE = 1 << 20
+_PIECE = 3 << 18  # 768 KiB: a multiple of 3, so base64 pieces join without padding in between
+
+
+def _is_utf8(b: bytes) -> bool:
+    dec = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for i in range(0, len(b), _PIECE):
+            dec.decode(b[i:i + _PIECE])
+        dec.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _json_string(b: bytes, enc: str) -> Iterator[bytes]:
+    yield b'"'
+    if enc == "base64":
+        for i in range(0, len(b), _PIECE):
+            yield base64.b64encode(b[i:i + _PIECE])
+    else:
+        dec = codecs.getincrementaldecoder("utf-8")()
+        for i in range(0, len(b), _PIECE):
+            text = dec.decode(b[i:i + _PIECE], final=i + _PIECE >= len(b))
+            yield json.dumps(text, ensure_ascii=False)[1:-1].encode()
+    yield b'"'
+
+
+def iter_exec_result_json(r: ExecResult) -> Iterator[bytes]:
+    """The JSON of encode_exec_result(r), in pieces: the output is never copied whole into a str, a
+    JSON text and its bytes (a 200 MiB result took ~700 MiB of the server that way)."""
+    ob = r.stdout if isinstance(r.stdout, bytes) else str(r.stdout).encode()
+    eb = r.stderr if isinstance(r.stderr, bytes) else str(r.stderr).encode()
+    enc = "utf-8" if _is_utf8(ob) and _is_utf8(eb) else "base64"
+    yield b'{"exit_code":%d,"stdout":' % int(r.exit_code)
+    yield from _json_string(ob, enc)
+    yield b',"stderr":'
+    yield from _json_string(eb, enc)
+    tail: dict[str, Any] = {"encoding": enc, "duration_s": float(r.duration_s), "timed_out": bool(r.timed_out),
+                            "truncated": bool(r.truncated), "signal": int(r.signal)}
+    if hasattr(r, "alive"):
+        tail["alive"] = bool(r.alive)
+    yield b"," + json.dumps(tail, separators=(",", ":")).encode()[1:]
 
 
 def decode_exec_result(d: dict[str, Any]) -> ExecResult:

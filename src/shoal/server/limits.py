@@ -21,6 +21,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from shoal.errors import CapacityExceeded
 from shoal.server.settings import ServerSettings
 
+#: a refused request body is still read (and dropped) up to this size, so the client sees the answer
+DRAIN_MAX = 256 << 20
+
 
 class BodyTooLarge(HTTPException):
     """The request body passed its size limit (413)."""
@@ -121,9 +124,12 @@ class BodyGuard:
                 except ValueError:
                     declared = -1
                 if declared > limit:
+                    # read the body first: a client still sending when the answer comes and the connection
+                    # closes sees a broken pipe, not the 413 (httpx raised ReadError/WriteError)
+                    drained = declared <= DRAIN_MAX and await self._drain(receive)
                     await self._refuse(send, 413, "invalid_request",
                                        f"request body of {declared} bytes is over the limit of {limit} bytes",
-                                       {"limit_bytes": limit, "reason": "payload_too_large"})
+                                       {"limit_bytes": limit, "reason": "payload_too_large"}, close=not drained)
                     return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + total_s
@@ -143,6 +149,10 @@ class BodyGuard:
             if msg["type"] == "http.request":
                 state["got"] += len(msg.get("body", b""))
                 if state["got"] > limit:
+                    if msg.get("more_body", False):
+                        # the rest is read and dropped, so the client gets to read the 413 (see __call__)
+                        await self._drain(receive, state["got"])
+                    state["done"] = True
                     raise BodyTooLarge(limit)
                 if not msg.get("more_body", False):
                     state["done"] = True
@@ -159,12 +169,30 @@ class BodyGuard:
 
         await self.app(scope, guarded_receive, guarded_send)
 
+    async def _drain(self, receive: Any, got: int = 0) -> bool:
+        """Read and drop the rest of a refused body (at most DRAIN_MAX bytes in all, idle deadline as
+        usual). True when it was read to its end."""
+        try:
+            while got <= DRAIN_MAX:
+                async with asyncio.timeout(self.s.body_idle_timeout_s):
+                    msg = await receive()
+                if msg["type"] != "http.request":
+                    return False
+                got += len(msg.get("body", b""))
+                if not msg.get("more_body", False):
+                    return True
+        except TimeoutError:
+            pass
+        return False
+
     @staticmethod
-    async def _refuse(send: Any, status: int, code: str, message: str, details: dict[str, Any]) -> None:
+    async def _refuse(send: Any, status: int, code: str, message: str, details: dict[str, Any],
+                      close: bool = True) -> None:
         body = _error_body(status, code, message, details)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 
