@@ -258,7 +258,31 @@ def _names(v: object) -> object:
     return names
 
 
+def _egress_sets(v: object) -> object:
+    # NAME=rule rule …;NAME=… (a TOML table {name = [rules]} works too); checked like network=[rules]
+    from shoal.egress import parse_rules
+
+    if isinstance(v, dict):
+        items = [(str(k), list(r) if isinstance(r, (list, tuple)) else str(r).split()) for k, r in v.items()]
+    else:
+        items = []
+        for part in str(v).split(";"):
+            if part.strip():
+                name, sep, rules = part.partition("=")
+                if not sep:
+                    raise ValueError("must be NAME=rule rule …;NAME=… (e.g. corp=git.corp.example:443 10.1.0.0/16)")
+                items.append((name.strip(), rules.split()))
+    out: dict[str, list[str]] = {}
+    for name, rules in items:
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name) or not rules:
+            raise ValueError(f"set {name!r}: names are lowercase words, each with at least one rule")
+        parse_rules(rules, {})  # InvalidRequest (a ValueError) names a bad rule
+        out[name] = [str(r) for r in rules]
+    return out
+
+
 SWAP_POLICY = Conv("auto|0|size", _swap_policy)
+EGRESS_SETS = Conv("NAME=rule …;…", _egress_sets)
 NAMES = Conv("name,…", _names)
 WARM_POOL = Conv("IMAGE=N,…", parse_warm_pool)
 MODULES = Conv("module,…", _modules)
@@ -357,6 +381,13 @@ class Settings:
     # ---- network
     net_leases: Path = setting(Path("/run/shoal/net-leases"), "network", "address leases of sandbox networks "
                                "(host-wide: every node on the host shares one bridge)", PATH)
+    egress_sets: dict[str, list[str]] = setting({}, "network", "named sets of egress rules for network=[...], "
+                                                "added to (or replacing) pypi, npm, debian, github",
+                                                EGRESS_SETS, default_doc="the built-in four")
+    dns_upstream: str | None = setting(None, "network", "resolver the DNS proxy of allowlist sandboxes asks "
+                                       "(host[:port])", _optional(text(r"[0-9.]+(:[0-9]{1,5})?", "an IPv4 address "
+                                                                        "with an optional :port")),
+                                       default_doc="the host's first nameserver")
     # ---- vm
     vm_accel: str = setting("auto", "vm", "auto = KVM when a guest really runs under it, tcg = software "
                             "emulation", choice("auto", "tcg"))

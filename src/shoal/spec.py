@@ -40,6 +40,11 @@ Hostname = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9-]{1,63}$")]
 #: a project: 1-63 lowercase letters, digits and '-'
 PROJECT_RE = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
 ProjectName = Annotated[str, StringConstraints(pattern=PROJECT_RE)]
+#: one egress rule: a domain (or *.domain), an IPv4 address or CIDR, each with an optional :port, or a named set
+EgressRule = Annotated[str, StringConstraints(min_length=1, max_length=300)]
+_NETWORK_DOC = ("false (no network), true (the internet, not link-local addresses), or an egress allowlist: "
+                "domains (`pypi.org`, `*.example.com:443`), IPv4 CIDRs (`203.0.113.0/24:80`) and named sets "
+                "(`pypi`, `npm`, `debian`, `github`); everything else is dropped and counted (docs/security.md)")
 
 
 class SandboxSpec(BaseModel):
@@ -58,7 +63,9 @@ class SandboxSpec(BaseModel):
     disk_mb: int = Field(L.DEFAULT_DISK_MB, ge=L.DISK_MB_RANGE[0], le=L.DISK_MB_RANGE[1])
     max_output_bytes: int = Field(L.DEFAULT_MAX_OUTPUT_BYTES, ge=L.MAX_OUTPUT_BYTES_RANGE[0],
                                   le=L.MAX_OUTPUT_BYTES_RANGE[1], description="bytes of stdout+stderr kept per command")
-    network: bool = False
+    network: bool | Annotated[list[EgressRule], Field(max_length=256)] = Field(False, description=_NETWORK_DOC)
+    egress_mbps: float | None = Field(None, gt=0, le=100_000,
+                                      description="shape what the sandbox sends to this many Mbit/s (needs a network)")
     ttl_s: float | None = Field(L.DEFAULT_TTL_S, gt=0, le=L.MAX_TTL_S,
                                 description="seconds until auto-close; null = never")
     env: Env = Field(default_factory=dict, description="environment variables (names without '=' or NUL)")
@@ -95,10 +102,22 @@ class SandboxSpec(BaseModel):
     def _labels_fit(cls, v: dict[str, str]) -> dict[str, str]:
         return L.check_labels(v)
 
+    @field_validator("network")
+    @classmethod
+    def _network_rules(cls, v: bool | list[str]) -> bool | list[str]:
+        if isinstance(v, list):
+            from shoal.config import settings
+            from shoal.egress import check_network
+
+            check_network(v, settings().egress_sets)  # InvalidRequest names a bad rule (shoal.egress)
+        return v
+
     @model_validator(mode="after")
     def _output_fits_memory(self) -> SandboxSpec:
         # kept output is held in the node's memory: bounded by the sandbox's own (issue 19, item 6)
         L.check_output_bytes(self.max_output_bytes, self.memory_mb)
+        if self.egress_mbps is not None and not self.network:
+            raise InvalidRequest("egress_mbps needs a network: set network=True or a list of rules")
         return self
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -2,7 +2,7 @@
 
 `Internet()` makes a namespace joined to the host by a veth pair on a /24 picked at random from
 198.18.0.0/15 (RFC 2544's benchmarking range: never routed on the real internet; random, so tests
-running at once do not collide). Processes started with
+running at once do not collide). Processes inside it: a UDP sink, an HTTP server, a DNS server. Processes started with
 `spawn()` run inside it (a UDP sink, an HTTP server, a DNS server); `close()` stops them and removes the
 namespace and the veth. Sandboxes reach it through the node's NAT exactly as they would reach a public
 address.
@@ -40,6 +40,30 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
     def log_message(self, *a): pass
 http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+"""
+
+
+# a DNS server answering A queries from a JSON map {name: [ip, ...]} (argv[2]) on argv[1]:53; NXDOMAIN
+# for other names; every question it gets is appended to argv[3]
+DNS_SERVER = r"""
+import json, socket, struct, sys
+names = json.loads(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 53))
+log = open(sys.argv[3], "a", buffering=1); log.write("ready\n")
+while True:
+    q, addr = s.recvfrom(4096)
+    qid, flags = struct.unpack(">HH", q[:4]); off = 12; labels = []
+    while q[off]:
+        labels.append(q[off + 1:off + 1 + q[off]].decode()); off += 1 + q[off]
+    name = ".".join(labels).lower(); qtype = struct.unpack(">H", q[off + 1:off + 3])[0]
+    question = q[12:off + 5]; log.write(f"{name} {qtype}\n")
+    ips = names.get(name)
+    if ips is None:
+        s.sendto(q[:2] + struct.pack(">HHHHH", 0x8183, 1, 0, 0, 0) + question, addr); continue
+    ans = b"".join(b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_aton(ip) for ip in ips) \
+        if qtype == 1 else b""
+    n = len(ips) if qtype == 1 else 0
+    s.sendto(q[:2] + struct.pack(">HHHHH", 0x8180, 1, n, 0, 0) + question + ans, addr)
 """
 
 

@@ -43,6 +43,8 @@ class Capability(enum.Enum):
     RESTORE = "restore"
     #: `network=True` (a veth pair and NAT, or the VMM's equivalent)
     NETWORK = "network"
+    #: `network=[rules]` (an egress allowlist, shoal.egress) and `egress_mbps`
+    EGRESS_RULES = "egress_rules"
     #: short code runs on warm pools (`run_code`)
     RUN_CODE = "run_code"
 
@@ -57,6 +59,7 @@ _DOING = {
     Capability.FORK_MEMORY: "fork a sandbox's processes and memory",
     Capability.RESTORE: "restore memory snapshots",
     Capability.NETWORK: "give sandboxes a network",
+    Capability.EGRESS_RULES: "enforce egress allowlists (network=[rules]) or egress_mbps",
     Capability.RUN_CODE: "run code snippets",
 }
 

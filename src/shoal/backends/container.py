@@ -21,6 +21,8 @@ from shoal.backends.guestfs import GuestFiles
 from shoal.backends.oci import build_config, render_config
 from shoal.backends.registry import make_runtime
 from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
+from shoal.config import settings
+from shoal.egress import check_network
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
@@ -78,7 +80,7 @@ class ContainerBackend(Backend):
 
     name = "container"
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.RECLAIM,
-                              Capability.SNAPSHOT_FILES, Capability.NETWORK})
+                              Capability.SNAPSHOT_FILES, Capability.NETWORK, Capability.EGRESS_RULES})
     instead = {
         Capability.SNAPSHOT_MEMORY: "snapshot(name) saves the files as an image; memory snapshots need "
                                     "backend='microvm' or 'vm'",
@@ -208,8 +210,10 @@ class ContainerBackend(Backend):
             resolv = None
             if spec.network:
                 net = self.ctx.network()
-                netns = await net.setup(rec)
-                resolv = str(net.resolv_conf())
+                policy = check_network(spec.network, settings().egress_sets)
+                netns = await net.setup(rec, policy, spec.egress_mbps)
+                # an allowlist sandbox asks the node's DNS proxy (shoal.node.dnsproxy); the others the host's
+                resolv = str(self.guestfs.proxy_resolv() if policy is not None else net.resolv_conf())
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             listener.bind(str(sock_path))
             listener.listen(64)
@@ -372,13 +376,16 @@ class ContainerBackend(Backend):
         drop_working_set(rec.path)
 
     def info(self, rec: SandboxRecord) -> dict[str, Any]:
-        """Runtime name, cgroup path, and whether the disk limit is enforced."""
+        """Runtime name, cgroup path, whether the disk limit is enforced, egress drops."""
         out = {"runtime": rec.runtime, "cgroup": rec.cgroup,
                "disk_limit_enforced": bool(rec.extra.get("projid"))}
         clamped = self.upper_pool.guard.clamped().get(rec.id) if rec.extra.get("projid") else None
         if clamped is not None:
             # the pool ran low: this sandbox may not grow past what it held then (shoal.node.disk_guard)
             out["disk_clamped_mb"] = clamped
+        if rec.extra.get("egress"):
+            # the allowlist's drops and DNS refusals so far (network=[rules], docs/security.md)
+            out["egress"] = self.ctx.network().egress_stats(rec)
         # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
         out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
         return out

@@ -7,6 +7,7 @@ shows `tmpfs` and a path inside it (`/agent`), nothing else.
 
 - `agent/shoal-agent`: the in-sandbox agent, bound read-only at `/.shoal`.
 - `empty/` and `empty-file`: bound over /proc and /sys entries that must not be read (oci.MASKED_PATHS).
+- `resolv.proxy.conf`: the resolv.conf of sandboxes with an egress allowlist (the node's DNS proxy).
 - `cmdline`: an empty /proc/cmdline (the host kernel's command line names its devices and services).
 - `meminfo/<MiB>[-<swap MiB>]`: a /proc/meminfo that reports the sandbox's own memory limit instead of
   the host's RAM, one file per distinct limit, shared by every sandbox of that size. The numbers are
@@ -125,6 +126,18 @@ class GuestFiles:
         shutil.copy2(src, tmp)
         os.chmod(tmp, 0o755)
         os.rename(tmp, dst)
+
+    def proxy_resolv(self) -> Path:
+        """The resolv.conf of sandboxes with an egress allowlist: the node's DNS proxy on the bridge."""
+        p = self.root / "resolv.proxy.conf"
+        if not p.exists():
+            from shoal.node.network import GATEWAY
+
+            tmp = p.with_name(f".resolv.{os.getpid()}")
+            tmp.write_text(f"nameserver {GATEWAY}\noptions timeout:2 attempts:2\n")
+            os.chmod(tmp, 0o444)
+            os.rename(tmp, p)
+        return p
 
     def meminfo(self, memory_mb: int, swap_mb: int | None = None) -> Path:
         """The meminfo file for this limit (made on first use)."""

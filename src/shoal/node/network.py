@@ -21,6 +21,7 @@ its tables and the IP leases are host-global: every node agent on the host share
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import ipaddress
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import Paths, settings
+from shoal.egress import LINK_LOCAL, EgressPolicy
 from shoal.errors import BackendUnavailable, CapacityExceeded, SandboxError
 from shoal.host.spawn import run, run_sync
 from shoal.node.records import SandboxRecord
@@ -45,12 +47,16 @@ SUBNET = ipaddress.ip_network("10.89.0.0/16")
 GATEWAY = "10.89.0.1"
 NFT_TABLE = "shoal"
 #: bump when a table's rules change: setup replaces an older table, leaves a newer one alone
-NFT_VERSION = 2
+NFT_VERSION = 3
 _COMMENT = f"shoal-net v{NFT_VERSION}"
 
+# Sandboxes with an allowlist (network=[rules], shoal.egress) are in @egress: their forwarded packets
+# jump to a chain of their own (see _egress_objects) that accepts what their set allows and counts and
+# drops the rest. The others (network=True) reach anything but link-local addresses (cloud metadata).
 _INET_RULES = f"""
 table inet {NFT_TABLE} {{
   comment "{_COMMENT}"
+  map egress {{ type ipv4_addr : verdict; }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {SUBNET} ip daddr != {SUBNET} masquerade
@@ -58,6 +64,7 @@ table inet {NFT_TABLE} {{
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname "{BRIDGE}" ct state established,related accept
+    iifname "{BRIDGE}" ip daddr {GATEWAY} meta l4proto {{ tcp, udp }} th dport 53 accept
     iifname "{BRIDGE}" drop
   }}
   chain forward {{
@@ -65,13 +72,14 @@ table inet {NFT_TABLE} {{
     iifname "{BRIDGE}" oifname "{BRIDGE}" drop
     iifname "{BRIDGE}" ip saddr != {SUBNET} counter drop
     iifname "{BRIDGE}" meta nfproto != ipv4 counter drop
+    iifname "{BRIDGE}" ip saddr vmap @egress
+    iifname "{BRIDGE}" ip daddr {LINK_LOCAL} counter drop
     iifname "{BRIDGE}" accept
     oifname "{BRIDGE}" ct state established,related accept
     oifname "{BRIDGE}" drop
   }}
 }}
 """
-
 # Ports not in @ports (made by a shoal from before this table) are left alone: a sandbox cannot add a
 # port to the bridge, only the node agent can, and it registers each one before bringing it up.
 _BRIDGE_RULES = f"""
@@ -107,6 +115,43 @@ def _port_elements(veth: str, mac: str, ip: str) -> str:
             f'element bridge {NFT_TABLE} port_ip {{ "{veth}" . {ip} }}\n')
 
 
+def egress_names(veth: str) -> tuple[str, str, str]:
+    """(chain, set, counter) of a sandbox's allowlist in the inet table, named after its veth."""
+    tag = veth[2:]
+    return f"e_{tag}", f"a_{tag}", f"d_{tag}"
+
+
+def _ranges(ports: tuple[int, int]) -> str:
+    lo, hi = ports
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _egress_objects(veth: str, ip: str, policy: EgressPolicy) -> str:
+    """nft commands making a sandbox's allowlist: its counter, its set (CIDR rules in it now, domains'
+    addresses pinned by the DNS proxy later), its chain, and its entry in @egress."""
+    chain, aset, counter = egress_names(veth)
+    t = f"inet {NFT_TABLE}"
+    out = [f"add counter {t} {counter}",
+           f"add set {t} {aset} {{ type ipv4_addr . inet_proto . inet_service; flags interval; }}",
+           f"add chain {t} {chain}",
+           f"add rule {t} {chain} ct state established,related accept",
+           f"add rule {t} {chain} ip daddr . meta l4proto . th dport @{aset} accept",
+           f'add rule {t} {chain} counter name "{counter}" drop']
+    elems = [f"{r.net} . {proto} . {_ranges(r.ports)}" for r in policy.cidrs for proto in ("tcp", "udp")]
+    if elems:
+        out.append(f"add element {t} {aset} {{ {', '.join(elems)} }}")
+    out.append(f"add element {t} egress {{ {ip} : jump {chain} }}")
+    return "\n".join(out) + "\n"
+
+
+def _egress_teardown(veth: str, ip: str) -> list[str]:
+    chain, aset, counter = egress_names(veth)
+    t = f"inet {NFT_TABLE}"
+    # the map entry first: nothing jumps to the chain when it goes
+    return [f"delete element {t} egress {{ {ip} }}", f"delete chain {t} {chain}", f"delete set {t} {aset}",
+            f"delete counter {t} {counter}"]
+
+
 def installed_version(family: str) -> int | None:
     """The version of shoal's table of `family` on this host (0: an unversioned one; None: none)."""
     r = run_sync(["nft", "-t", "list", "table", family, NFT_TABLE], timeout=30)
@@ -128,6 +173,23 @@ class NetworkManager:
     def resolv_conf(self) -> Path:
         """The resolv.conf bind-mounted into networked sandboxes (the host's)."""
         return Path("/etc/resolv.conf")
+
+    #: where the DNS proxy sends allowed queries ("host:port"); None: the host's first nameserver
+    upstream: str | None = None
+
+    def dns_upstream(self) -> str:
+        """The resolver allowlist sandboxes' allowed queries go to."""
+        if self.upstream:
+            return self.upstream if ":" in self.upstream else f"{self.upstream}:53"
+        up = settings().dns_upstream
+        if up:
+            return up if ":" in up else f"{up}:53"
+        with contextlib.suppress(OSError):
+            for line in Path("/etc/resolv.conf").read_text().splitlines():
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver" and "." in parts[1]:
+                    return f"{parts[1]}:53"
+        return "127.0.0.53:53"
 
     @contextlib.contextmanager
     def _host_lock(self) -> Iterator[None]:
@@ -175,6 +237,8 @@ class NetworkManager:
             script += rules
             if family == "bridge":
                 script += "".join("add " + line for line in self._live_port_elements().splitlines(True))
+            else:
+                script += self._live_egress_objects()
         if script:
             run_sync(["nft", "-f", "-"], stdin=script.encode(), check=True, timeout=60)
 
@@ -185,6 +249,16 @@ class NetworkManager:
             veth, ip = lease.get("veth"), lease.get("ip")
             if veth and ip and Path(f"/sys/class/net/{veth}").exists():
                 out += _port_elements(veth, lease.get("mac") or mac_for(ip), ip)
+        return out
+
+    def _live_egress_objects(self) -> str:
+        # allowlists of sandboxes made before this table (an upgrade); their pinned addresses come back
+        # with their next DNS lookups
+        out = ""
+        for lease in self._leases():
+            veth, ip, egress = lease.get("veth"), lease.get("ip"), lease.get("egress")
+            if veth and ip and egress and Path(f"/sys/class/net/{veth}").exists():
+                out += _egress_objects(veth, ip, EgressPolicy.from_dict(egress))
         return out
 
     def _leases(self) -> list[dict[str, Any]]:
@@ -199,7 +273,7 @@ class NetworkManager:
                     out.append(dict(data, ip=e.name))
         return out
 
-    def _lease(self, sandbox_id: str, veth: str) -> str:
+    def _lease(self, sandbox_id: str, veth: str, policy: EgressPolicy | None) -> str:
         hosts = SUBNET.num_addresses - 3
         for _ in range(64):
             n = 2 + secrets.randbelow(hosts)
@@ -208,22 +282,31 @@ class NetworkManager:
                 fd = os.open(self.leases / ip, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 continue
-            os.write(fd, json.dumps({"sandbox": sandbox_id, "veth": veth, "mac": mac_for(ip)}).encode())
+            lease: dict[str, Any] = {"sandbox": sandbox_id, "veth": veth, "mac": mac_for(ip)}
+            if policy is not None:
+                # what the DNS proxy needs to answer this sandbox (shoal.node.dnsproxy)
+                lease.update(egress=policy.to_dict(), egress_set=egress_names(veth)[1],
+                             dns_upstream=self.dns_upstream())
+            os.write(fd, json.dumps(lease).encode())
             os.close(fd)
             return ip
         raise CapacityExceeded("no free sandbox IP address in 10.89.0.0/16", retry_after_s=5.0)
 
-    async def setup(self, rec: SandboxRecord) -> str:
-        """Create the sandbox's netns + veth; returns the netns path for the OCI config."""
+    async def setup(self, rec: SandboxRecord, policy: EgressPolicy | None = None,
+                    egress_mbps: float | None = None) -> str:
+        """Create the sandbox's netns + veth; returns the netns path for the OCI config. With `policy`
+        (network=[rules]) only what it allows is reachable; `egress_mbps` shapes what the sandbox sends."""
         self.ensure_bridge()
         short = rec.id.rsplit("-", 1)[1][:10]
         ns = f"shoal-{short}"
         host_if = f"sh{short}"[:15]
-        ip = self._lease(rec.id, host_if)
+        ip = self._lease(rec.id, host_if, policy)
         mac = mac_for(ip)
         rec.netns = ns
         rec.extra["ip"] = ip
         rec.extra["veth"] = host_if
+        if policy is not None:
+            rec.extra["egress"] = True
         rec.save()
         try:
             (await run(["ip", "netns", "add", ns])).check("ip netns add")
@@ -233,15 +316,44 @@ class NetworkManager:
                          f"link set {host_if} type bridge_slave isolated on\n")
             (await run(["ip", "-batch", "-"], stdin=host_cmds.encode())).check("ip (host side)")
             add = "".join("add " + line for line in _port_elements(host_if, mac, ip).splitlines(True))
+            if policy is not None:
+                add += _egress_objects(host_if, ip, policy)
             (await run(["nft", "-f", "-"], stdin=add.encode())).check("nft (register the port)")
             (await run(["ip", "link", "set", host_if, "up"])).check("ip link set up")
             ns_cmds = (f"addr add {ip}/{SUBNET.prefixlen} dev eth0\nlink set eth0 up\nlink set lo up\n"
                        f"route add default via {GATEWAY}\n")
             (await run(["ip", "-n", ns, "-batch", "-"], stdin=ns_cmds.encode())).check("ip (sandbox side)")
+            if egress_mbps:
+                # shaped on the sandbox's side of the veth (it has no CAP_NET_ADMIN to undo it); a token
+                # bucket: bursts up to ~64 KiB, then the rate
+                rate = f"{int(egress_mbps * 1000)}kbit"
+                (await run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                            "burst", "64kb", "latency", "200ms"])).check("tc (egress limit)")
+            if policy is not None and policy.domains:
+                from shoal.node.dnsproxy import ensure_running
+
+                await asyncio.to_thread(ensure_running, self.leases)
         except Exception as e:
             await self.teardown(rec)
             raise SandboxError(f"could not set up the sandbox network: {e}") from e
         return f"/run/netns/{ns}"
+
+    def egress_stats(self, rec: SandboxRecord) -> dict[str, int]:
+        """What a sandbox's allowlist dropped (packets, bytes) and how its DNS queries went."""
+        veth, ip = rec.extra.get("veth"), rec.extra.get("ip")
+        out: dict[str, int] = {}
+        if not veth or not ip:
+            return out
+        r = run_sync(["nft", "-j", "list", "counter", "inet", NFT_TABLE, egress_names(veth)[2]], timeout=10)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            for item in json.loads(r.stdout)["nftables"]:
+                if "counter" in item:
+                    out["dropped_packets"] = int(item["counter"]["packets"])
+                    out["dropped_bytes"] = int(item["counter"]["bytes"])
+        with contextlib.suppress(OSError, ValueError):
+            dns = json.loads((self.leases / f"{ip}.dns").read_text())
+            out["dns_answered"], out["dns_refused"] = int(dns.get("answered", 0)), int(dns.get("refused", 0))
+        return out
 
     async def teardown(self, rec: SandboxRecord) -> None:
         """Remove the veth, its port registration, the netns (and its bind mount) and the IP lease. Idempotent."""
@@ -250,15 +362,18 @@ class NetworkManager:
         if veth:
             await run(["ip", "link", "del", veth])
             if ip:
-                await self._unregister(veth, ip)
+                await self._unregister(veth, ip, bool(rec.extra.get("egress")))
         if rec.netns:
             await run(["ip", "netns", "del", rec.netns])
         if ip:
-            with contextlib.suppress(FileNotFoundError):
-                (self.leases / ip).unlink()
+            for name in (ip, f"{ip}.dns"):
+                with contextlib.suppress(FileNotFoundError):
+                    (self.leases / name).unlink()
 
-    async def _unregister(self, veth: str, ip: str) -> None:
+    async def _unregister(self, veth: str, ip: str, egress: bool = False) -> None:
         lines = _port_elements(veth, mac_for(ip), ip).splitlines(True)
+        if egress:
+            lines += [ln[len("delete "):] + "\n" for ln in _egress_teardown(veth, ip)]
         r = await run(["nft", "-f", "-"], stdin="".join("delete " + ln for ln in lines).encode())
         if r.returncode != 0:
             # some were never added (a setup that failed half-way): delete what is there, one by one

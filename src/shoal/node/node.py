@@ -251,6 +251,8 @@ class Node(DataPlane):
         backend.require(Capability.SANDBOXES)
         if spec.network:
             backend.require(Capability.NETWORK)
+        if isinstance(spec.network, list) or spec.egress_mbps:
+            backend.require(Capability.EGRESS_RULES)
         res = reservation if reservation is not None else await self.scheduling.admit(spec)
         try:
             rec = self.context.new_record(
