@@ -313,8 +313,11 @@ def test_cluster_down_leaves_nothing_behind(cluster: Ctx) -> None:
             return (await c.create("base", **SMALL)).id
 
     keep = asyncio.run(keep_one())
+    before = agent_names()
     with pytest.raises(shoal.InvalidRequest, match="still live"):
-        control.down(cluster.address)  # refuses while a sandbox lives
+        control.down(cluster.address)  # refuses while a sandbox lives ...
+    assert agent_names() == before  # ... and touches no node
+    assert all(r["health"] == "ok" for r in control.status(cluster.address))
     pids = {h["node_id"]: h["pid"] for h in (ray.get(ray.get_actor(n, namespace="shoal").ensure_started.remote())
                                               for n in agent_names())}
     out = control.down(cluster.address, force=True)

@@ -258,11 +258,12 @@ class NodeAgent:
         self._server = self._serve_task = None
 
     # ---- control plane --------------------------------------------------------------------------
-    async def state(self) -> dict[str, Any]:
-        """This node as placement sees it: memory and CPUs committed/limit/free, sandboxes, mounted layers."""
+    async def state(self, fresh: bool = False) -> dict[str, Any]:
+        """This node as placement sees it: memory and CPUs committed/limit/free, sandboxes, mounted layers
+        (reused for 0.2 s unless `fresh`: clients refreshing together cost one scan)."""
         await self.ensure_started()
         now = time.monotonic()
-        if self._state_cache is not None and now - self._state_cache[0] < 0.2:
+        if not fresh and self._state_cache is not None and now - self._state_cache[0] < 0.2:
             return self._state_cache[1]
         from shoal.cluster.nodestate import node_state
 

@@ -132,7 +132,7 @@ def down(address: str, *, force: bool = False, purge: bool = False, timeout_s: f
     if not force:
         live = {}
         for nid, a in agents.items():
-            st = ray.get(a.state.remote(), timeout=timeout_s)
+            st = ray.get(a.state.remote(fresh=True), timeout=timeout_s)
             if st.get("live"):
                 live[nid] = st["live"]
         if live:
