@@ -405,6 +405,8 @@ class Settings:
     vm_snapshot_timeout: float = setting(600.0, "vm", "longest memory save or restore of a VM snapshot (s)",
                                          number(0, lo_open=True))
     vm_seccomp: bool = setting(True, "vm", "confine QEMU with its seccomp sandbox", BOOL)
+    vm_ksm: bool = setting(True, "vm", "guest RAM is private and mergeable and the node turns KSM on: identical "
+                           "pages of VMs are stored once (off: guest RAM in a memfd, never merged)", BOOL)
     vmm: str = setting("auto", "vm", "microVM monitor: auto = Firecracker when usable, else QEMU",
                        choice("auto", "qemu"))
     qemu: Path | None = setting(None, "vm", "the qemu-system-x86_64 binary", _optional(PATH),

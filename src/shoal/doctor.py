@@ -110,6 +110,18 @@ def check_oom_protection() -> Check:
     return Check("oom-protection", oom.can_lower(), "; ".join(parts), fix)
 
 
+def check_ksm() -> Check:
+    """Can identical pages of VM guests be merged (KSM)?"""
+    from shoal.host import ksm
+
+    if not ksm.available():
+        return Check("ksm", False, "this kernel has no KSM: identical VM guest pages are stored once per VM",
+                     "a kernel with CONFIG_KSM")
+    st = ksm.stats()
+    state = "on" if st.get("run") == 1 else "off until the node starts a VM (SHOAL_VM_KSM)"
+    return Check("ksm", True, f"KSM {state}; {ksm.saved_bytes(st) >> 20} MiB saved now")
+
+
 def check_kvm() -> Check:
     """Is KVM usable for the microvm/vm backends (not just present)?"""
     from shoal.host.kvm import kvm_status
@@ -155,6 +167,7 @@ def run_checks(paths: Paths | None = None, fix: bool = False) -> list[Check]:
     out.append(check_disk_limits())
     out.append(check_swap())
     out.append(check_oom_protection())
+    out.append(check_ksm())
     out.append(check_kvm())
     for tool, pkg in [("mmdebstrap", "mmdebstrap"), ("qemu-system-x86_64", "qemu-system-x86"),
                       ("skopeo", "skopeo"), ("nft", "nftables"), ("ip", "iproute2")]:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from shoal import limits as L
 from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
 from shoal.errors import InvalidRequest
+from shoal.node.cpuclass import CPU_CLASSES, DEFAULT_CPU_CLASS, check_cpu_class
 
 # ---- field types (the HTTP schemas use them too)
 #: environment variable names: no '=' and no NUL; values: no NUL
@@ -74,6 +75,9 @@ class SandboxSpec(BaseModel):
     user: UserName | None = None
     hostname: Hostname | None = None
     project: ProjectName = L.DEFAULT_PROJECT
+    cpu_class: str = Field(DEFAULT_CPU_CLASS, description="interactive: short steps whose latency matters; batch: "
+                           "compiles and test suites, run on CPU time nobody else wants (docs/sandboxes.md)",
+                           json_schema_extra={"enum": list(CPU_CLASSES)})
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -119,6 +123,11 @@ class SandboxSpec(BaseModel):
         if self.egress_mbps is not None and not self.network:
             raise InvalidRequest("egress_mbps needs a network: set network=True or a list of rules")
         return self
+
+    @field_validator("cpu_class")
+    @classmethod
+    def _known_cpu_class(cls, v: str) -> str:
+        return check_cpu_class(v)
 
     def __setattr__(self, name: str, value: Any) -> None:
         try:

@@ -137,3 +137,54 @@ async def test_pressure_pauses_and_reclaims_idle_sandboxes_before_a_refusal(clie
         assert (await sb.exec("wc -c < /dev/shm/blob")).stdout == b"33554432\n"
         assert node.record(sb.id).state == "running"
     await asyncio.gather(*(s.close() for s in [*idle_boxes, busy]))
+
+
+def _cpu_cgroup(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if "cpu" in ctrls.split(",") or (cgroups.cgroup_mode() == "v2" and ctrls == ""):
+            return path
+    return ""
+
+
+async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Client) -> None:
+    from shoal.node import cpuclass
+
+    node = client.transport.node
+    with pytest.raises(shoal.InvalidRequest, match="cpu_class='urgent'"):
+        await client.create("base", cpu_class="urgent")
+    inter = await client.create("base")  # the documented default
+    batch = await client.create("base", cpu_class="batch", cpus=0.5)
+    assert node.record(inter.id).spec["cpu_class"] == "interactive"
+    v2 = cgroups.cgroup_mode() == "v2"
+    agent = node.record(batch.id).init_pid
+    await batch.exec("sleep 1000 >/dev/null 2>&1 &")
+    procs = cgroups.SandboxCgroup(node.record(batch.id).cgroup).pids()  # host pids: the agent and the sleep
+    assert len(procs) == 2 and agent in procs
+    pid = next(p for p in procs if p != agent)
+    if v2:
+        d = cgroups.CGROUP_ROOT / "shoal" / batch.id
+        assert (d / "cpu.idle").read_text().strip() == "1"
+    else:
+        # batch work runs under the idle cgroup beside the sandboxes' parent; the rest of its cgroups stay
+        want = f"/{cpuclass.BATCH_PARENT}/{batch.id}"
+        assert _cpu_cgroup(agent) == want and _cpu_cgroup(pid) == want
+        parent = cgroups.CGROUP_ROOT / "cpu" / cpuclass.BATCH_PARENT
+        assert (parent / "cpu.idle").read_text().strip() == "1"
+        assert (parent / batch.id / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        assert (cgroups.CGROUP_ROOT / "memory" / "shoal" / batch.id).is_dir()
+        # interactive sandboxes keep their quota and may burst one period of it
+        d = cgroups.CGROUP_ROOT / "cpu" / "shoal" / inter.id
+        assert (d / "cpu.cfs_burst_us").read_text().strip() == (d / "cpu.cfs_quota_us").read_text().strip()
+        # a class changes live: everything it runs moves with it
+        got = await node.set_cpu_class(batch.id, "interactive")
+        assert got["class"] == "interactive" and not got["idle"]
+        assert _cpu_cgroup(pid) == f"/shoal/{batch.id}" and not (parent / batch.id).exists()
+        await node.set_cpu_class(batch.id, "batch")
+        assert _cpu_cgroup(pid) == want
+    info = await client.get(batch.id)
+    assert info.info.extra["cpu"]["class"] == "batch"
+    await batch.close()
+    await inter.close()
+    if not v2:
+        assert not (cgroups.CGROUP_ROOT / "cpu" / cpuclass.BATCH_PARENT / batch.id).exists()

@@ -47,6 +47,8 @@ class Capability(enum.Enum):
     EGRESS_RULES = "egress_rules"
     #: short code runs on warm pools (`run_code`)
     RUN_CODE = "run_code"
+    #: CPU classes (`interactive`/`batch`, shoal.node.cpuclass) set at create and changed live (`set_cpu_class`)
+    CPU_CLASS = "cpu_class"
 
 
 #: what each capability lets a caller do, for error messages
@@ -61,6 +63,7 @@ _DOING = {
     Capability.NETWORK: "give sandboxes a network",
     Capability.EGRESS_RULES: "enforce egress allowlists (network=[rules]) or egress_mbps",
     Capability.RUN_CODE: "run code snippets",
+    Capability.CPU_CLASS: "put sandboxes in CPU classes",
 }
 
 
@@ -154,6 +157,11 @@ class Backend(ABC):
     def forget_working_set(self, rec: SandboxRecord) -> None:
         """After a thaw: drop the recorded working set."""
         return None
+
+    # ---- Capability.CPU_CLASS --------------------------------------------------------------------
+    async def set_cpu_class(self, rec: SandboxRecord, cpu_class: str) -> dict[str, Any]:
+        """Move a running sandbox to another CPU class; returns what was set."""
+        raise self.unsupported(Capability.CPU_CLASS)
 
     # ---- Capability.SNAPSHOT_FILES ---------------------------------------------------------------
     def upper_dir(self, rec: SandboxRecord) -> Path | None:

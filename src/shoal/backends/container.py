@@ -28,7 +28,7 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
-from shoal.node import disk_guard
+from shoal.node import cpuclass, disk_guard
 from shoal.node.disk import UpperPool
 from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
@@ -80,7 +80,8 @@ class ContainerBackend(Backend):
 
     name = "container"
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.RECLAIM,
-                              Capability.SNAPSHOT_FILES, Capability.NETWORK, Capability.EGRESS_RULES})
+                              Capability.SNAPSHOT_FILES, Capability.NETWORK, Capability.EGRESS_RULES,
+                              Capability.CPU_CLASS})
     instead = {
         Capability.SNAPSHOT_MEMORY: "snapshot(name) saves the files as an image; memory snapshots need "
                                     "backend='microvm' or 'vm'",
@@ -246,6 +247,8 @@ class ContainerBackend(Backend):
             rec.init_start = proc_starttime(pid) or 0
             # the agent must outlive an OOM in its own sandbox: what it runs dies instead (shoal.host.oom)
             protect_agent(pid)
+            # the runtime set cpus as quota and shares; the class adds burst, or makes the sandbox idle
+            rec.extra["cpu"] = cpuclass.apply(rec.cgroup, spec.cpu_class, spec.cpus, pid)
             # the runtime keeps its own copy of the config; these would only take memory on a tmpfs
             for name in ("init.pid", "config.json"):
                 with contextlib.suppress(OSError):
@@ -302,6 +305,9 @@ class ContainerBackend(Backend):
         if rec.cgroup and cgroups.exists_anywhere(rec.cgroup):
             # the runtime's delete removed them already unless it failed
             await asyncio.to_thread(cgroups.remove_tree, rec.cgroup)
+        # a batch sandbox's cpu cgroup beside /shoal (empty once its killed processes are gone)
+        if (rec.extra.get("cpu") or {}).get("cgroup") and not await asyncio.to_thread(cpuclass.forget, rec.id):
+            errors.append(f"cpu cgroup /{cpuclass.BATCH_PARENT}/{rec.id} still has processes")
         rootfs = str(rec.path / "rootfs")
         # unmount what create() mounted, by path: scanning /proc/self/mountinfo costs time proportional
         # to every mount on the host; the scan is only the fallback when something unexpected is left
@@ -375,6 +381,13 @@ class ContainerBackend(Backend):
         """Remove the recorded working set after the thaw."""
         drop_working_set(rec.path)
 
+    async def set_cpu_class(self, rec: SandboxRecord, cpu_class: str) -> dict[str, Any]:
+        """Move the running sandbox's processes to another CPU class (shoal.node.cpuclass)."""
+        if not rec.cgroup:
+            raise SandboxError(f"sandbox {rec.id} has no cgroup to put in a CPU class")
+        return await asyncio.to_thread(cpuclass.apply, rec.cgroup, cpu_class, float(rec.spec.get("cpus", 1.0)),
+                                       rec.init_pid)
+
     def info(self, rec: SandboxRecord) -> dict[str, Any]:
         """Runtime name, cgroup path, whether the disk limit is enforced, egress drops."""
         out = {"runtime": rec.runtime, "cgroup": rec.cgroup,
@@ -386,6 +399,8 @@ class ContainerBackend(Backend):
         if rec.extra.get("egress"):
             # the allowlist's drops and DNS refusals so far (network=[rules], docs/security.md)
             out["egress"] = self.ctx.network().egress_stats(rec)
+        if "cpu" in rec.extra:
+            out["cpu"] = rec.extra["cpu"]  # its CPU class and what was set for it (shoal.node.cpuclass)
         # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
         out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
         return out

@@ -89,7 +89,9 @@ class MachineConfig:
     balloon: bool = True
     tb_mb: int = 0  # TCG translation cache (0 = QEMU's default)
     #: "memfd": guest RAM in a memfd (shmem: no transparent huge pages, so an idle guest's scattered pages
-    #: are not rounded up to 2 MiB each); "anon": QEMU's default anonymous memory (THP where enabled)
+    #: are not rounded up to 2 MiB each); "anon": QEMU's default anonymous memory (THP where enabled);
+    #: "ksm": private anonymous memory marked mergeable, so KSM stores identical guest pages once
+    #: (shoal.host.ksm; it splits huge pages where it merges)
     ram: str = "memfd"
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +146,9 @@ def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False)
         argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
     if cfg.ram == "memfd":
         argv += ["-object", f"memory-backend-memfd,id=ram0,size={cfg.memory_mb}M,share=on",
+                 "-machine", "memory-backend=ram0"]
+    elif cfg.ram == "ksm":
+        argv += ["-object", f"memory-backend-ram,id=ram0,size={cfg.memory_mb}M,merge=on,share=off",
                  "-machine", "memory-backend=ram0"]
     if cfg.initrd:
         argv += ["-initrd", cfg.initrd]

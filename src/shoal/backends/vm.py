@@ -195,6 +195,9 @@ class QemuVmBackend(Backend):
         self._booted: dict[str, VmAgentClient] = {}
         self._accel: str | None = None
         self._accel_detail = ""
+        #: what turning KSM on did (shoal.host.ksm.enable), once this process started a VM
+        self.ksm_setup: dict[str, Any] = {}
+        self._ksm_on = False
 
     # ---- facts
     def accel(self) -> str:
@@ -289,6 +292,17 @@ class QemuVmBackend(Backend):
                                       "guest_boot_to_agent": round(t3 - t2, 3)}
         rec.save()
 
+    def _ram(self, st: Any) -> str:
+        """Guest RAM mergeable by KSM (turned on here, once per node process) unless SHOAL_VM_KSM=0."""
+        if not st.vm_ksm:
+            return "memfd"
+        if not self._ksm_on:
+            from shoal.host import ksm
+
+            self.ksm_setup = ksm.enable()
+            self._ksm_on = True
+        return "ksm" if self.ksm_setup.get("available") else "memfd"
+
     async def _machine_config(self, rec: SandboxRecord, spec: SandboxSpec, image: Image, accel: str,
                               hostname: str) -> MachineConfig:
         from shoal.backends import vm_images
@@ -318,7 +332,7 @@ class QemuVmBackend(Backend):
                 cmdline += f" tsc_early_khz={khz}"
             cmdline += _extra_cmdline()
             return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(guest.kernel), str(guest.initrd),
-                                 cmdline, drives, network=bool(spec.network), tb_mb=tb)
+                                 cmdline, drives, network=bool(spec.network), tb_mb=tb, ram=self._ram(st))
         disk = await asyncio.to_thread(vm_images.ensure_vm_disk, self.paths, image, self.ctx.layer_mounts,
                                        self._agent())
         from shoal.host.spawn import run
@@ -336,7 +350,7 @@ class QemuVmBackend(Backend):
         return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(disk.kernel),
                              str(disk.initrd) if disk.initrd else None, cmdline,
                              [Drive("root", str(root), "qcow2", False, "shoal-root")],
-                             network=bool(spec.network), tb_mb=tb)
+                             network=bool(spec.network), tb_mb=tb, ram=self._ram(st))
 
     # ---- reach / destroy
     async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:

@@ -16,6 +16,7 @@ SCENARIOS: dict[str, str] = {
     "create": "shoal.bench.scenarios.create",
     "exec": "shoal.bench.scenarios.exec_",
     "density": "shoal.bench.scenarios.density",
+    "qos": "shoal.bench.scenarios.qos",
     "disk": "shoal.bench.scenarios.disk",
     "lazy": "shoal.bench.scenarios.lazy",
     "fork": "shoal.bench.scenarios.fork",

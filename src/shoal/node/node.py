@@ -480,6 +480,23 @@ class Node(DataPlane):
             self.admission.resumed(sandbox_id)
             self.scheduling.resumed(sandbox_id)
 
+    async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
+        """Move a running sandbox to another CPU class (`interactive` or `batch`, see shoal.node.cpuclass),
+        e.g. around a test suite it runs. Returns what was set."""
+        from shoal.node.cpuclass import check_cpu_class
+
+        check_cpu_class(cpu_class)
+        rec = self.record(sandbox_id)
+        backend = self.backend(rec.backend)
+        backend.require(Capability.CPU_CLASS)
+        async with self.locks.state(sandbox_id):
+            rec = self.record(sandbox_id)
+            got = await backend.set_cpu_class(rec, cpu_class)
+            rec.spec["cpu_class"] = cpu_class
+            rec.extra["cpu"] = got
+            rec.save()
+        return got
+
     # ---- snapshot / fork / restore --------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str, *, memory: bool | None = None,
                        store_budget: int | None = None) -> dict[str, Any]:
@@ -535,6 +552,10 @@ class Node(DataPlane):
     async def reconcile(self) -> dict[str, int]:
         """Re-adopt live sandboxes left by earlier processes; clean up dead, expired and half-made ones."""
         out = await self.recovery.reconcile()
+        if not self.config.fake_backend:
+            from shoal.node import cpuclass
+
+            await asyncio.to_thread(cpuclass.sweep)  # batch cpu cgroups of sandboxes closed while no node ran
         self.scheduling.recount(list_records(self.paths.sandboxes))
         return out
 

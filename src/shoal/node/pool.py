@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: spec fields a running sandbox cannot change (the rest is applied when a pooled sandbox is handed out)
-BAKED = ("backend", "runtime", "cpus", "memory_mb", "pids", "disk_mb", "network", "env", "hostname")
+BAKED = ("backend", "runtime", "cpus", "memory_mb", "pids", "disk_mb", "network", "env", "hostname", "cpu_class")
 
 
 def pool_key(spec: SandboxSpec, image: Image) -> str:
