@@ -54,7 +54,8 @@ def test_bad_values_are_invalid_requests_naming_the_field(field: str, value: Any
 
 def test_options_of_the_sdk() -> None:
     assert SandboxSpec.from_options("img:1", memory_mb=64).memory_mb == 64
-    with pytest.raises(InvalidRequest, match=r"unknown sandbox option\(s\): colour, size; known: backend, cpu_class, cpus"):
+    with pytest.raises(InvalidRequest,
+                       match=r"unknown sandbox option\(s\): colour, size; known: backend, cpu_class, cpus"):
         SandboxSpec.from_options("base", colour="red", size=1)
     # a record from a newer version with a field this one does not know
     assert SandboxSpec.from_record({"image": "x", "memory_mb": 32, "future": 1}).memory_mb == 32
