@@ -17,6 +17,7 @@ import pytest
 import shoal
 from shoal.server.proc import ServerProcess
 from shoal.server.tokens import Quota, TokenStore
+from tests.waiting import async_wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 SMALL = {"memory_mb": 64}
@@ -162,7 +163,7 @@ def _overcommit_for(limit_mb: int) -> str:
     return repr((limit_mb + 0.5) / total_mb)
 
 
-def test_capacity_refusal_is_429_and_the_sdk_retries() -> None:
+def test_capacity_refusal_is_429_and_the_sdk_retries(base_image: str) -> None:
     import os
 
     with private_home() as home:
@@ -195,8 +196,7 @@ async def _capacity(srv: ServerProcess) -> None:
             assert _capacity_errors(srv.url) - before >= 2  # it did retry
         # capacity comes back while the SDK waits: the create succeeds
         task = asyncio.create_task(c.create("base", **SMALL))
-        while _capacity_errors(srv.url) < before + 3:
-            await asyncio.sleep(0.1)
+        await async_wait_for(lambda: _capacity_errors(srv.url) >= before + 3, what="the SDK to be refused and retry")
         assert not task.done()
         await s1.close()
         s2 = await task
@@ -204,7 +204,7 @@ async def _capacity(srv: ServerProcess) -> None:
         # a batch: what does not fit is retried per item until the deadline
         async with shoal.Client(srv.url, timeout=2) as short:
             items = await short.create_many("base", 2, **SMALL)
-        assert sum(isinstance(i, shoal.CapacityExceeded) for i in items) == 2
+        assert sum(isinstance(i, shoal.CapacityExceeded) for i in items) == 2, items
 
 
 async def test_images_built_and_imported_over_the_api_belong_to_the_project(two_projects: tuple,

@@ -10,7 +10,6 @@ import os
 import secrets
 import signal
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +22,7 @@ from shoal.sdk.http import HttpTransport
 from shoal.server.proc import ServerProcess, free_port
 from shoal.server.tokens import TokenStore
 from tests.integration.test_api_projects import private_home
+from tests.waiting import async_wait_for, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 SMALL = {"memory_mb": 64}
@@ -145,11 +145,40 @@ async def test_per_token_concurrency_is_bounded(tight_server: ServerProcess) -> 
         results = await asyncio.gather(*(sb.exec("sleep 0.3") for _ in range(5)))
         assert all(r.exit_code == 0 for r in results)
         # another token is not held up by this one's queue
-        async with shoal.Client(tight_server.url, token=tight_server.token2) as other:
-            busy = [asyncio.create_task(sb.exec("sleep 1")) for _ in range(3)]
-            await asyncio.sleep(0.2)
-            assert (await other.list()) == []
-            await asyncio.gather(*busy)
+        # the first token's commands sleep until the test kills them from the host: they cannot end on their
+        # own while the other token is served
+        marker = f"3600.{secrets.randbelow(10**6)}"
+        busy = [asyncio.create_task(sb.exec(f"sleep {marker}")) for _ in range(3)]
+        try:
+            # two run (the token's limit), the third waits in its queue or retries
+            await async_wait_for(lambda: len(_procs_with(marker)) == 2, what="two of the first token's commands to run")
+            async with shoal.Client(tight_server.url, token=tight_server.token2) as other:
+                assert (await other.list()) == []
+            assert not any(t.done() for t in busy)
+        finally:
+            # release them (the third starts when one ends: kill until all have returned)
+            await async_wait_for(lambda: _kill_all(marker) or all(t.done() for t in busy),
+                                 what="the busy commands to end once killed")
+        assert all(r.exit_code == 137 for r in await asyncio.gather(*busy))
+
+
+def _procs_with(marker: str) -> list[int]:
+    """Processes (of any sandbox: the host sees them all) whose argv holds `marker`."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError):
+                if marker.encode() in Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0"):
+                    out.append(int(d))
+    return out
+
+
+def _kill_all(marker: str) -> bool:
+    """SIGKILL every process whose argv holds `marker`; False (so callers poll on)."""
+    for pid in _procs_with(marker):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return False
 
 
 async def _ws(url: str, token: str | None) -> object:
@@ -187,12 +216,11 @@ async def test_stream_protocol_errors(api_server: ServerProcess) -> None:
         assert json.loads(await ws.recv()) == {"type": "started"}
         assert (await sb.exec(f"pgrep -f 'sleep {marker}'")).exit_code == 0
         await ws.close()
-        for _ in range(100):
-            if (await sb.exec(f"pgrep -f 'sleep {marker}'")).exit_code != 0:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the command outlived its stream")
+
+        async def ended() -> bool:
+            return (await sb.exec(f"pgrep -f 'sleep {marker}'")).exit_code != 0
+
+        await async_wait_for(ended, what="the command to end with its stream")
         # a broken control message ends the stream with an error (and the command)
         ws = await _ws(f"{base}/{sb.id}/stream", api_server.token)
         await ws.send(json.dumps({"cmd": "sleep 30", "stdin": True}))
@@ -236,13 +264,8 @@ def test_without_tokens_it_binds_loopback_only() -> None:
         p = subprocess.Popen([sys.executable, "-m", "shoal.cli.main", "serve", "--host", "0.0.0.0", "--port",
                               str(port)], env=env, stdout=log, stderr=log)
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+            wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200,
+                     what="the server to answer /healthz")
             listening = _listen_addrs(port)
             assert listening == {"127.0.0.1"}, listening
             text = (home / "server.log").read_text()

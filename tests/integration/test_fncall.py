@@ -8,7 +8,6 @@ import hashlib
 import os
 import secrets
 import signal
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -17,6 +16,7 @@ import pytest_asyncio
 from shoal.backends.fncall import FncallConfig, FncallManager
 from shoal.backends.fncall_pool import POOL_LABEL
 from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, SandboxNotFound
+from tests.waiting import async_wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -139,14 +139,13 @@ async def test_compile_errors_are_reported_apart_from_runtime_errors(fn) -> None
 
 # ---- timeouts, bombs and bad input ---------------------------------------------------------------------------
 async def test_timeout_kills_the_whole_tree_and_the_pool_keeps_serving(fn) -> None:
-    t0 = time.monotonic()
     r = await fn.run_code("import subprocess, time\n"
                           "subprocess.Popen(['sleep', '1000'])\n"
                           "print('started', flush=True)\n"
                           "while True: time.sleep(0.01)\n", timeout=1.5)
     assert r.status == "timeout" and r.timed_out and r.signal == signal.SIGKILL
     assert r.stdout == b"started\n"  # output before the deadline is kept
-    assert 1.4 <= r.duration_s < 10 and time.monotonic() - t0 < 30
+    assert r.duration_s >= 1.4  # not cut short (a correctness bound, not a speed one)
     busy = await fn.run_code("while True: pass", timeout=1)
     assert busy.status == "timeout"
     after = await fn.run_code("print('still here')")
@@ -343,15 +342,12 @@ async def test_pool_grows_under_load_and_shrinks_when_idle(node) -> None:
         (p,) = m.stats()["pools"]
         assert 2 <= p["started"] <= 3, p
         assert len({r.sandbox_id for r in rs}) >= 2
-        deadline = time.monotonic() + 30
-        while m.stats()["pools"] and m.stats()["pools"][0]["idle"] > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        pools = m.stats()["pools"]
-        assert not pools or pools[0]["idle"] == 0, pools
+        await async_wait_for(lambda: not m.stats()["pools"] or m.stats()["pools"][0]["idle"] == 0,
+                             what="the idle pool to shrink to nothing")
         used = {r.sandbox_id for r in rs}
-        while {r.id for r in pooled(node)} & used and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)  # retired containers are destroyed in the background
-        assert not {r.id for r in pooled(node)} & used
+        # retired containers are destroyed in the background
+        await async_wait_for(lambda: not {r.id for r in pooled(node)} & used,
+                             what="the retired containers to be destroyed")
     finally:
         await m.close()
 
@@ -375,7 +371,9 @@ async def test_a_container_killed_mid_call_gives_a_clear_error_and_is_replaced(s
     warm = await solo.run_code("print('warm')")
     victim = warm.sandbox_id
     call = asyncio.create_task(solo.run_code("import time; time.sleep(60)", timeout=120))
-    await asyncio.sleep(1.0)
+    # the call runs once a third python (forked from the zygote) is up beside the dispatcher and the zygote
+    await async_wait_for(lambda: len([c for c in _container_pids(solo.node, victim).values()
+                                      if c.startswith("python3")]) >= 3, what="the call to run in the container")
     rec = solo.node.record(victim)
     os.kill(rec.init_pid, signal.SIGKILL)  # the whole container goes
     r = await asyncio.wait_for(call, 60)
@@ -384,14 +382,15 @@ async def test_a_container_killed_mid_call_gives_a_clear_error_and_is_replaced(s
     after = await solo.run_code("print('healed')")
     assert after.status == "success" and after.stdout == b"healed\n" and after.sandbox_id != victim
     assert solo.stats()["pools"][0]["died"] >= 1
-    for _ in range(100):  # the dead container's leftovers are removed in the background
+    def record_gone() -> bool:
         try:
             solo.node.record(victim)
         except SandboxNotFound:
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("the dead container's record was not cleaned up")
+            return True
+        return False
+
+    # the dead container's leftovers are removed in the background
+    await async_wait_for(record_gone, what="the dead container's record to be cleaned up")
 
 
 async def test_a_worker_killed_while_idle_is_replaced_before_the_next_call(solo) -> None:
@@ -402,10 +401,8 @@ async def test_a_worker_killed_while_idle_is_replaced_before_the_next_call(solo)
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     (pool,) = solo.pools.values()
-    for _ in range(100):  # the agent reports the exit; the pool marks the idle worker dead
-        if all(w.dead for w in pool.idle):
-            break
-        await asyncio.sleep(0.1)
+    # the agent reports the exit; the pool marks the idle worker dead (before the next call, not by it)
+    await async_wait_for(lambda: all(w.dead for w in pool.idle), what="the pool to mark the killed worker dead")
     r = await solo.run_code("print('ok')")
     assert r.status == "success" and r.sandbox_id != warm.sandbox_id
 

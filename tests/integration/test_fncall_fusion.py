@@ -9,13 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import requests
+
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.root]
 
@@ -36,18 +37,16 @@ class FusionServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "shoal.cli.main", "fncall", "serve", "--port", str(self.port),
                  "--warm", "python=1"], stdout=logf, stderr=logf, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+        def up() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"shoal fncall serve exited: {self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/openapi.json", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"shoal fncall serve did not come up: {self.log.read_text()[-3000:]}")
+            return httpx.get(self.url + "/openapi.json", timeout=1.0).status_code == 200
+
+        try:
+            wait_for(up, timeout, what="`shoal fncall serve` to answer")
+        except BaseException:
+            self.stop()
+            raise RuntimeError(f"shoal fncall serve did not come up: {self.log.read_text()[-3000:]}") from None
 
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from shoal.errors import ImageBuildError, InvalidRequest
 from shoal.images.archive import image_config, layer_tar, write_docker_archive
 from shoal.images.oci import pull_image
 from shoal.images.store import ImageStore
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -46,14 +46,13 @@ http:
     with open(root / "log", "wb") as log:
         proc = subprocess.Popen([exe, "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=log)
     try:
-        for _ in range(100):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
-        else:
+        def up() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1) as r:
+                return r.status == 200
+
+        try:
+            wait_for(up, 15, what="docker-registry to answer")
+        except pytest.fail.Exception:
             pytest.skip(f"docker-registry did not start: {(root / 'log').read_text()[-500:]}")
         yield f"127.0.0.1:{port}"
     finally:

@@ -21,6 +21,7 @@ import pytest
 
 from shoal.config import Paths
 from shoal.images.store import ImageStore
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 SHOAL = str(Path(sys.executable).with_name("shoal"))
@@ -50,7 +51,8 @@ def test_shell_piped(sandbox_id: str) -> None:
     assert (r.returncode, r.stdout) == (0, b"SHOUT\n")
 
 
-def _expect(fd: int, token: bytes, timeout: float = 20) -> bytes:
+def _read_until(fd: int, token: bytes, timeout: float) -> bytes:
+    """What the terminal printed until `token` appeared (or `timeout` passed, or it closed)."""
     buf = b""
     end = time.monotonic() + timeout
     while token not in buf and time.monotonic() < end:
@@ -63,6 +65,11 @@ def _expect(fd: int, token: bytes, timeout: float = 20) -> bytes:
             if not chunk:
                 break
             buf += chunk
+    return buf
+
+
+def _expect(fd: int, token: bytes, timeout: float = 20) -> bytes:
+    buf = _read_until(fd, token, timeout)
     assert token in buf, (token, buf[-400:])
     return buf
 
@@ -75,13 +82,17 @@ def test_shell_interactive_pty(sandbox_id: str) -> None:
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         _expect(fd, b"# ")
         os.write(fd, b"stty size; echo $((6*7))\r")
-        _expect(fd, b"42")
-        # the window grows: SIGWINCH reaches `shoal shell`, which resizes the sandbox's PTY
+        assert b"40 120" in _expect(fd, b"42")
+        # the window grows: SIGWINCH reaches `shoal shell`, which resizes the sandbox's PTY (asynchronously:
+        # ask until the shell inside sees the new size)
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 99, 0, 0))
         os.kill(pid, signal.SIGWINCH)
-        time.sleep(0.5)
-        os.write(fd, b"stty size\r")
-        _expect(fd, b"33 99")
+
+        def resized() -> bool:
+            os.write(fd, b"stty size\r")
+            return b"33 99" in _read_until(fd, b"# ", 5)
+
+        wait_for(resized, what="the sandbox's terminal to take the new size (33 99)")
         # an interactive REPL inside the interactive shell
         os.write(fd, b"python3 -q\r")
         _expect(fd, b">>> ")

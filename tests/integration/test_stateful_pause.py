@@ -14,6 +14,7 @@ import shoal
 from shoal.host.cgroups import SandboxCgroup
 from shoal.node import reclaim
 from tests.conftest import runtime_containers
+from tests.waiting import async_wait_for
 
 pytestmark = [pytest.mark.root]
 
@@ -55,10 +56,21 @@ def zram_swap() -> Iterator[None]:
         assert not reclaim.swap_active()
 
 
+async def _count(sb: shoal.Sandbox, at_least: int) -> bool:
+    r = await sb.exec("cat /tmp/counter")
+    return r.exit_code == 0 and int(r.stdout or 0) >= at_least
+
+
+async def _ready(sb: shoal.Sandbox) -> bool:
+    return (await sb.exec("test -e /tmp/ready")).exit_code == 0
+
+
 async def test_pause_freezes_and_any_request_resumes(client: shoal.Client) -> None:
     sb = await client.create("base")
     await sb.exec("echo 1 > /tmp/counter; nohup sh -c 'while :; do n=$(cat /tmp/counter); "
                   "echo $((n+1)) > /tmp/counter; sleep 0.05; done' >/dev/null 2>&1 &")
+    # the counter runs (so a still counter below means frozen, not "never started")
+    await async_wait_for(lambda: _count(sb, 3), what="the counter loop to count")
     await sb.pause()
     assert _frozen(sb.id)
     info = await sb.refresh()
@@ -67,6 +79,7 @@ async def test_pause_freezes_and_any_request_resumes(client: shoal.Client) -> No
     # nothing runs while paused: the counter does not move
     upper = Path(_node(client).backend("container").upper_dir(_node(client).record(sb.id)))
     c1 = (upper / "tmp" / "counter").read_text()
+    # an observation window, not a synchronisation: the running loop counts 10 in it
     await asyncio.sleep(0.5)
     assert (upper / "tmp" / "counter").read_text() == c1
     # an exec resumes it transparently
@@ -74,8 +87,7 @@ async def test_pause_freezes_and_any_request_resumes(client: shoal.Client) -> No
     assert r.exit_code == 0
     assert not _frozen(sb.id)
     assert (await sb.refresh()).state == "running"
-    await asyncio.sleep(0.3)
-    assert int((await sb.exec("cat /tmp/counter")).stdout) > int(r.stdout)
+    await async_wait_for(lambda: _count(sb, int(r.stdout) + 1), what="the counter to move again after resume")
     # pause twice / resume twice are no-ops
     await sb.pause()
     await sb.pause()
@@ -102,9 +114,9 @@ async def test_pause_returns_page_cache_and_resume_prefetches(client: shoal.Clie
     sb = await client.create("base")
     # 40 MiB of page cache charged to the sandbox, and a process with a working set
     await sb.exec("head -c 41943040 /dev/urandom > /tmp/blob && cat /tmp/blob > /dev/null")
-    await sb.exec("nohup python3 -c 'import time; x = bytes(range(256)) * 20000; time.sleep(3600)' "
-                  ">/dev/null 2>&1 &")
-    await asyncio.sleep(0.5)
+    await sb.exec("nohup python3 -c 'import time; x = bytes(range(256)) * 20000; open(\"/tmp/ready\", \"w\"); "
+                  "time.sleep(3600)' >/dev/null 2>&1 &")
+    await async_wait_for(lambda: _ready(sb), what="the python process to hold its memory")
     cg = SandboxCgroup(f"/shoal/{sb.id}")
     before = cg.memory_bytes()
     await sb.pause()
@@ -131,10 +143,7 @@ async def test_pause_moves_anonymous_memory_to_zram(client: shoal.Client, zram_s
     # 64 MiB of anonymous memory, compressible like real program data (not all zeros)
     await sb.exec("nohup python3 -c 'import os, time; x = bytearray(os.urandom(1 << 20) * 64); "
                   "open(\"/tmp/ready\", \"w\").close(); time.sleep(3600)' >/dev/null 2>&1 &")
-    for _ in range(100):
-        if (await sb.exec("test -e /tmp/ready")).exit_code == 0:
-            break
-        await asyncio.sleep(0.1)
+    await async_wait_for(lambda: _ready(sb), what="the python process to hold its 64 MiB")
     cg = SandboxCgroup(f"/shoal/{sb.id}")
     assert cg.memory_bytes() > 64 << 20
     await sb.pause()

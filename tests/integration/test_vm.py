@@ -22,6 +22,7 @@ import pytest_asyncio
 import shoal
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, ShoalError
 from shoal.node.records import list_records
+from tests.waiting import async_wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -168,9 +169,11 @@ async def test_fork_keeps_running_processes(vclient: shoal.Client) -> None:
         r = await kid.exec(f"cat /proc/{sleeper}/cmdline | tr '\\0' ' '; echo; kill -0 {counter} && echo counting")
         assert r.stdout == b"sleep 1000 \ncounting\n", r
         a = int((await kid.read_file("/tmp/counter")).strip())
-        await asyncio.sleep(2.0)
-        b = int((await kid.read_file("/tmp/counter")).strip())
-        assert b > a, "the forked counter process does not advance"
+
+        async def advanced(kid: shoal.Sandbox = kid, a: int = a) -> bool:
+            return int((await kid.read_file("/tmp/counter")).strip() or 0) > a
+
+        await async_wait_for(advanced, 60, what="the forked counter process to advance")
         assert await kid.read_file("/root/state.txt") == b"before-fork"
         await kid.write_file("/root/state.txt", f"child-{i}".encode())
     # children diverge: nobody sees another's write, the parent is untouched and alive
@@ -242,6 +245,10 @@ async def test_network_only_on_request(vclient: shoal.Client) -> None:
     await sb.close()
 
 
+async def _status_is(q: object, status: str) -> bool:
+    return (await q.execute("query-status"))["status"] == status  # type: ignore[attr-defined]
+
+
 async def test_balloon_reclaims_on_pause(vclient: shoal.Client) -> None:
     from shoal.backends.qemu import qmp
 
@@ -256,8 +263,7 @@ async def test_balloon_reclaims_on_pause(vclient: shoal.Client) -> None:
     assert actual < 512, "the balloon took nothing back on pause"
     await sb.resume()
     async with qmp(rec.path) as q:
-        await asyncio.sleep(0.5)
-        assert (await q.execute("query-status"))["status"] == "running"
+        await async_wait_for(lambda: _status_is(q, "running"), what="QEMU to report the guest running")
     assert (await sb.exec("echo back")).stdout == b"back\n"
     await sb.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -102,13 +103,12 @@ def test_a_new_scenario_is_one_module_and_one_registry_line(monkeypatch: pytest.
 
 def test_list_needs_no_root_and_shows_parameters() -> None:
     cmd = [sys.executable, "-m", "shoal.cli.main", "bench"]
-    r = subprocess.run([*cmd, "--list"], capture_output=True, text=True, timeout=120, env={"COLUMNS": "200",
-                       "PATH": "/usr/bin:/bin"})
+    env = dict(os.environ, COLUMNS="200")
+    r = subprocess.run([*cmd, "--list"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     for name in registry.SCENARIOS:
         assert f"│ {name} " in r.stdout
-    r = subprocess.run([*cmd, "fork", "--list"], capture_output=True, text=True, timeout=120,
-                       env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    r = subprocess.run([*cmd, "fork", "--list"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "snapshot_mb" in r.stdout and "children started from the snapshot" in r.stdout
     r = subprocess.run([*cmd, "fork", "-p", "n=many"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "fork.n: 'many' is not a valid int" in r.stderr

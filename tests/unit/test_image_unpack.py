@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shoal.images.archive import layer_tar
-from shoal.images.unpack import OPAQUE_XATTR, LayerTarError, unpack_layer
+from shoal.images.unpack import LayerTarError, unpack_layer
 
 IS_ROOT = os.geteuid() == 0
 
@@ -115,23 +115,3 @@ def test_implicit_parents_are_deterministic(tmp_path: Path) -> None:
     for d in (out / "a", out / "a" / "b"):
         st = os.lstat(d)
         assert stat.S_IMODE(st.st_mode) == 0o755 and st.st_mtime == 0
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="whiteouts are 0/0 device nodes and trusted.* xattrs: needs root")
-def test_oci_whiteouts_become_overlayfs_whiteouts(tmp_path: Path) -> None:
-    data = layer_tar([("dir", "etc", 0o755), ("whiteout", "etc/gone"), ("dir", "var", 0o755),
-                      ("opaque", "var"), ("file", "var/new", b"n", 0o644),
-                      ("whiteout", "re"), ("dir", "re", 0o700), ("file", "re/x", b"x", 0o644),
-                      ("file", "same", b"s", 0o644), ("whiteout", "same"),
-                      ("file", ".wh..wh.plnk", b"", 0o644)])
-    out = _unpack(tmp_path, data)
-    st = os.lstat(out / "etc" / "gone")
-    assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 0 and os.minor(st.st_rdev) == 0
-    assert os.getxattr(out / "var", OPAQUE_XATTR) == b"y"
-    assert (out / "var" / "new").read_bytes() == b"n"
-    # deleted then re-created in the same layer: a dir that hides the lower one
-    assert os.getxattr(out / "re", OPAQUE_XATTR) == b"y" and (out / "re" / "x").exists()
-    assert stat.S_IMODE(os.lstat(out / "re").st_mode) == 0o700
-    # an entry and its whiteout in one layer: the entry wins
-    assert (out / "same").read_bytes() == b"s"
-    assert not any(p.name.startswith(".wh.") for p in out.rglob("*"))
