@@ -191,12 +191,15 @@ async def test_a_node_that_refuses_new_containers_fails_the_call_instead_of_hang
     from shoal.errors import CapacityExceeded
 
     m = FncallManager(node, FncallConfig(min_idle=4, max_size=8, max_memory_mb=1 << 30))
+    # a commitment limit below one pool container (the default policy promises 1000x RAM)
+    old_overcommit = node.config.memory_overcommit
+    node.config.memory_overcommit = 64 / (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20)
     try:
-        huge = int(node.config.memory_overcommit * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                   / 2**20) + 1024
+        huge = 1024
         with pytest.raises(CapacityExceeded):
             await asyncio.wait_for(m.run_code("print(1)", memory_mb=huge), 60)
     finally:
+        node.config.memory_overcommit = old_overcommit
         await m.close()
 
 
