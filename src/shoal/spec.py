@@ -55,7 +55,7 @@ class SandboxSpec(BaseModel):
 
     image: ImageRef = Field(L.DEFAULT_IMAGE, description="image reference: name[:tag] or name@sha256:…")
     backend: str = Field(L.DEFAULT_BACKEND, description="where the sandbox runs (see docs/architecture.md)",
-                         json_schema_extra={"enum": backend_names()})
+                         json_schema_extra={"enum": [*backend_names()]})
     runtime: str | None = Field(None, description="container runtime; null = the best that works here",
                                 json_schema_extra={"enum": ["auto", *runtime_names(), None]})
     cpus: float = Field(L.DEFAULT_CPUS, ge=L.CPUS_RANGE[0], le=L.CPUS_RANGE[1])
@@ -166,10 +166,11 @@ def spec_error(e: ValidationError) -> InvalidRequest:
             msg = "unknown option"
         errors.append({"field": field, "message": msg})
     text = "; ".join(f"{x['field']}: {x['message']}" for x in errors)
-    first = e.errors(include_url=False)[0] if e.errors() else {}
+    details = e.errors(include_url=False)
+    first = details[0] if details else None
     given = ""
-    if len(errors) == 1 and first.get("type") != "extra_forbidden":
-        shown = repr(first.get("input"))
+    if len(errors) == 1 and first is not None and first["type"] != "extra_forbidden":
+        shown = repr(first["input"])
         # (a refused value may be megabytes: an env of 2 MB, thousands of labels)
         given = f" (got {shown if len(shown) <= 200 else shown[:200] + '…'})"
     return InvalidRequest(f"invalid sandbox spec: {text}{given}", errors=errors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 from typing import TYPE_CHECKING, Any
 
@@ -139,7 +140,7 @@ class Client:
         t = await self._ensure()
         return await t.list(labels=labels)
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         t = await self._ensure()
         return await t.images()
@@ -149,7 +150,7 @@ class Client:
         t = await self._ensure()
         return await t.run_code(code, language=language, **kw)
 
-    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    async def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         """Run many snippets concurrently on the fncall backend; one RunCodeResult per item, in order.
 
         Items are code strings or dicts of run_code arguments; keyword arguments (language, timeout,

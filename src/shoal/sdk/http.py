@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import json
 import random
 import time
@@ -26,7 +27,7 @@ from shoal.errors import CapacityExceeded, InvalidRequest, ShoalError, Timeout, 
 from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 from shoal.node.records import check_sandbox_id
-from shoal.sdk.transport import Transport
+from shoal.sdk.transport import Cmd, Transport
 from shoal.server.codec import (
     STDERR_TAG,
     decode_dir_entry,
@@ -286,7 +287,7 @@ class HttpTransport(Transport):
     @staticmethod
     def _backoff(attempt: int, at_least: float) -> float:
         base = min(10.0, 0.25 * 2 ** min(attempt - 1, 6))
-        return max(at_least, base) * random.uniform(0.8, 1.2)
+        return float(max(at_least, base) * random.uniform(0.8, 1.2))
 
     @staticmethod
     def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
@@ -351,7 +352,7 @@ class HttpTransport(Transport):
         await self._request("DELETE", f"/v1/sandboxes/{_sid(sandbox_id)}")
 
     # ---- commands -------------------------------------------------------------------------------
-    async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+    async def exec(self, sandbox_id: str, cmd: Cmd, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                    cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                    stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
         body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env, "user": user,
@@ -385,7 +386,7 @@ class HttpTransport(Transport):
             except Exception as e:
                 raise TransportError(f"cannot open a stream to {self.url}: {type(e).__name__}: {e}") from None
 
-    async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+    async def stream(self, sandbox_id: str, cmd: Cmd, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                      tty: bool = False, stdin: bool = False) -> HttpStream:
         ws = await self._ws_connect(f"/v1/sandboxes/{_sid(sandbox_id)}/stream")
@@ -413,7 +414,7 @@ class HttpTransport(Transport):
         await self._request("PUT", f"/v1/sandboxes/{_sid(sandbox_id)}/files",
                             params={"path": path, "mode": format(int(mode) & 0o7777, "04o")}, content=bytes(data))
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[DirEntry]:
         r = await self._request("GET", f"/v1/sandboxes/{_sid(sandbox_id)}/dir", params={"path": path})
         return [decode_dir_entry(d) for d in r.json()["entries"]]
 
@@ -445,9 +446,10 @@ class HttpTransport(Transport):
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/snapshot", json_body={"name": name},
                                 read_timeout=None)
-        return r.json()
+        out: dict[str, Any] = r.json()
+        return out
 
-    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
         r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/fork", json_body={"n": n, "options": kw},
                                 read_timeout=None)
         out: list[SandboxInfo | ShoalError] = []
@@ -457,7 +459,7 @@ class HttpTransport(Transport):
         return out
 
     # ---- images and fncall ----------------------------------------------------------------------
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         r = await self._request("GET", "/v1/images")
         return list(r.json()["images"])
 
@@ -482,7 +484,7 @@ class HttpTransport(Transport):
             return decode_run_code_result(res)
         return res
 
-    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    async def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         """Many snippets in one request (the fncall backend's `/v1/run_code_many`); one result per item.
 
         That route carries code, stdin and files as text and sends output back as text: output that is

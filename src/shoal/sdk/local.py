@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import builtins
 from typing import TYPE_CHECKING, Any
 
 from shoal.config import NodeConfig, Paths
 from shoal.errors import ShoalError
 from shoal.models import DirEntry, ExecResult, SandboxInfo
 from shoal.node.node import Node
-from shoal.sdk.transport import StreamHandle, Transport
+from shoal.sdk.transport import Cmd, StreamHandle, Transport
 
 if TYPE_CHECKING:
     from shoal.spec import SandboxSpec
@@ -49,11 +50,12 @@ class LocalTransport(Transport):
     async def close(self, sandbox_id: str) -> None:
         await self.node.close(sandbox_id)
 
-    async def exec(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ExecResult:
+    async def exec(self, sandbox_id: str, cmd: Cmd, **kw: Any) -> ExecResult:
         return await self.node.exec(sandbox_id, cmd, **kw)
 
-    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> StreamHandle:
-        return await self.node.stream(sandbox_id, cmd, **kw)
+    async def stream(self, sandbox_id: str, cmd: Cmd, **kw: Any) -> StreamHandle:
+        handle: StreamHandle = await self.node.stream(sandbox_id, cmd, **kw)
+        return handle
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return await self.node.read_file(sandbox_id, path)
@@ -61,7 +63,7 @@ class LocalTransport(Transport):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         await self.node.write_file(sandbox_id, path, data, mode)
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[DirEntry]:
         return await self.node.list_dir(sandbox_id, path)
 
     async def shell_open(self, sandbox_id: str, **kw: Any) -> str:
@@ -82,14 +84,14 @@ class LocalTransport(Transport):
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         return await self.node.snapshot(sandbox_id, name)
 
-    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
         return await self.node.fork(sandbox_id, n, **kw)
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         return [img.to_dict() for img in self.node.store.list_images()]
 
     async def run_code(self, code: str, **kw: Any) -> Any:
         return await self.node.run_code(code, **kw)
 
-    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    async def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         return await self.node.run_code_many(items, **kw)

@@ -4,10 +4,11 @@ private thread). `shared_client()` is one process-wide SyncClient for blocking c
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, TypeVar
 
 from shoal.errors import ShoalError
 from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
@@ -16,6 +17,12 @@ from shoal.sdk.bridge import Bridge
 from shoal.sdk.client import Client
 from shoal.sdk.jobs import Job
 from shoal.sdk.sandbox import Sandbox, Shell, Stream
+
+T = TypeVar("T")
+
+
+async def _anext(it: AsyncIterator[T]) -> T:
+    return await it.__anext__()
 
 
 class SyncShell:
@@ -50,7 +57,7 @@ class SyncStream:
     def __iter__(self) -> Iterator[StreamEvent]:
         while True:
             try:
-                yield self._loop.run(self._it.__anext__())
+                yield self._loop.run(_anext(self._it))
             except StopAsyncIteration:
                 return
 
@@ -219,7 +226,7 @@ class SyncClient:
         """Every visible sandbox."""
         return self._loop.run(self._client.list(labels))
 
-    def images(self) -> list[dict[str, Any]]:
+    def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         return self._loop.run(self._client.images())
 
@@ -227,7 +234,7 @@ class SyncClient:
         """Run a snippet on the fncall backend."""
         return self._loop.run(self._client.run_code(code, language=language, **kw))
 
-    def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         """Run many snippets concurrently on the fncall backend; one result per item."""
         return self._loop.run(self._client.run_code_many(items, **kw))
 

@@ -6,15 +6,20 @@ Like httpx's transports, this is the one seam between the user-facing API and wh
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from shoal.errors import ShoalError
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 
 if TYPE_CHECKING:
     from shoal.spec import SandboxSpec
+
+#: a command: a shell string (run with bash -c) or an argv list
+Cmd: TypeAlias = "str | list[str]"
 
 
 class StreamHandle(Protocol):
@@ -58,10 +63,14 @@ class Transport(ABC):
     async def close(self, sandbox_id: str) -> None: ...
 
     @abstractmethod
-    async def exec(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ExecResult: ...
+    async def exec(self, sandbox_id: str, cmd: Cmd, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                   cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
+                   stdin: bytes | None = None, max_output: int | None = None) -> ExecResult: ...
 
     @abstractmethod
-    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> StreamHandle: ...
+    async def stream(self, sandbox_id: str, cmd: Cmd, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
+                     cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
+                     tty: bool = False, stdin: bool = False) -> StreamHandle: ...
 
     @abstractmethod
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
@@ -70,13 +79,16 @@ class Transport(ABC):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None: ...
 
     @abstractmethod
-    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]: ...
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[DirEntry]: ...
 
     @abstractmethod
-    async def shell_open(self, sandbox_id: str, **kw: Any) -> str: ...
+    async def shell_open(self, sandbox_id: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
+                         user: str | None = None) -> str: ...
 
     @abstractmethod
-    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, **kw: Any) -> ExecResult: ...
+    async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *,
+                        timeout: float | None = DEFAULT_EXEC_TIMEOUT_S, max_output: int | None = None
+                        ) -> ExecResult: ...
 
     @abstractmethod
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None: ...
@@ -93,13 +105,13 @@ class Transport(ABC):
 
         raise NotImplementedYet("snapshot is not available on this transport")
 
-    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
         """Create `n` children from a snapshot of the sandbox."""
         from shoal.errors import NotImplementedYet
 
         raise NotImplementedYet("fork is not available on this transport")
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         from shoal.errors import NotImplementedYet
 
@@ -111,7 +123,7 @@ class Transport(ABC):
 
         raise NotImplementedYet("run_code is not available on this transport")
 
-    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    async def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         """Run many snippets on the fncall backend; one result per item, in order."""
         from shoal.errors import NotImplementedYet
 
