@@ -236,7 +236,7 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
         with contextlib.suppress(Exception):
             await client.aclose()
         doc["leaks"] = leaks(home)
-        _teardown_home(node, home, own_home and not doc["leaks"])
+        await _teardown_home(node, home, own_home and not doc["leaks"])
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     if json_path:
         _write_json(json_path, doc)
@@ -254,13 +254,12 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _teardown_home(node: Any, home: Path, remove: bool) -> None:
-    from shoal.node.disk import UpperPool
+async def _teardown_home(node: Any, home: Path, remove: bool) -> None:
+    # the one teardown of a SHOAL_HOME (layer mounts, upper pool, the tmpfs dirs a node mounts there)
+    from shoal.node.teardown import teardown_home
 
     with contextlib.suppress(Exception):
-        node.layer_mounts.reconcile(set())
-    with contextlib.suppress(Exception):
-        UpperPool(node.paths).teardown()
+        await teardown_home(node.paths, close_sandboxes=True)
     if remove:
         from shoal.host import syscalls
 
