@@ -262,16 +262,17 @@ def _egress_sets(v: object) -> object:
     # NAME=rule rule …;NAME=… (a TOML table {name = [rules]} works too); checked like network=[rules]
     from shoal.egress import parse_rules
 
+    items: list[tuple[str, list[str]]] = []
     if isinstance(v, dict):
-        items = [(str(k), list(r) if isinstance(r, (list, tuple)) else str(r).split()) for k, r in v.items()]
+        items = [(str(k), [str(x) for x in r] if isinstance(r, (list, tuple)) else str(r).split())
+                 for k, r in v.items()]
     else:
-        items = []
         for part in str(v).split(";"):
             if part.strip():
-                name, sep, rules = part.partition("=")
+                name, sep, text = part.partition("=")
                 if not sep:
                     raise ValueError("must be NAME=rule rule …;NAME=… (e.g. corp=git.corp.example:443 10.1.0.0/16)")
-                items.append((name.strip(), rules.split()))
+                items.append((name.strip(), text.split()))
     out: dict[str, list[str]] = {}
     for name, rules in items:
         if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name) or not rules:

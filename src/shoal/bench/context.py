@@ -82,10 +82,10 @@ class BenchContext:
 
         return list(await asyncio.gather(*(one(c) for c in coros)))
 
-    def figure_path(self, name: str) -> Path | None:
-        """Where a PNG figure goes (None when --plot was not given and no default applies)."""
+    def figure_path(self, name: str) -> Path:
+        """Where a PNG figure goes (call it only when `plot_dir` is set: --plot was given)."""
         if self.plot_dir is None:
-            return None
+            raise RuntimeError(f"figure {name}: no --plot directory (check ctx.plot_dir before drawing)")
         self.plot_dir.mkdir(parents=True, exist_ok=True)
         return self.plot_dir / name
 

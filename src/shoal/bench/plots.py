@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 SHOAL_COLOR = "#1f77b4"
@@ -29,7 +29,7 @@ def _color(i: int, label: str) -> str:
     return _OTHERS[i % len(_OTHERS)]
 
 
-def latency_cdf(path: Path, series: dict[str, Sequence[float]], title: str, xlabel: str = "latency (ms)") -> str:
+def latency_cdf(path: Path, series: Mapping[str, Sequence[float]], title: str, xlabel: str = "latency (ms)") -> str:
     """CDF of latencies in ms per series, log x axis. Returns the path written."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
@@ -52,7 +52,7 @@ def latency_cdf(path: Path, series: dict[str, Sequence[float]], title: str, xlab
     return str(path)
 
 
-def rate_over_time(path: Path, series: dict[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
+def rate_over_time(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
                    title: str, what: str = "sandboxes") -> str:
     """How many are ready over time, per series of (t, per_s, cumulative), with each mean rate in the legend.
 
@@ -83,7 +83,7 @@ def rate_over_time(path: Path, series: dict[str, tuple[Sequence[float], Sequence
     return str(path)
 
 
-def memory_vs_count(path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str,
+def memory_vs_count(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str,
                     ylabel: str = "host memory used (MiB)") -> str:
     """Host memory (MiB) against the number of live sandboxes/containers, per series."""
     plt = _plt()
@@ -101,7 +101,7 @@ def memory_vs_count(path: Path, series: dict[str, tuple[Sequence[float], Sequenc
     return str(path)
 
 
-def bars(path: Path, labels: Sequence[str], values: dict[str, Sequence[float]], title: str, ylabel: str,
+def bars(path: Path, labels: Sequence[str], values: Mapping[str, Sequence[float]], title: str, ylabel: str,
          log: bool = False) -> str:
     """Grouped bars: one group per label, one bar per series."""
     plt = _plt()
