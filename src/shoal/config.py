@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shoal.backends.registry import RUNTIMES
 from shoal.errors import InvalidRequest
 
 PREFIX = "SHOAL_"
@@ -338,7 +339,7 @@ class Settings:
     # ---- node
     node_id: str = setting("n0", "node", "node name, the prefix of its sandbox IDs",
                            text(r"[a-z0-9][a-z0-9-]{0,31}", "1-32 characters of a-z, 0-9 and -"))
-    runtime: str = setting("auto", "node", "preferred container runtime", choice("auto", "crun", "runc", "gvisor"))
+    runtime: str = setting("auto", "node", "preferred container runtime", choice("auto", *RUNTIMES))
     warm_pool: dict[str, int] = setting({}, "node", "sandboxes kept ready per image, handed out by create",
                                         WARM_POOL, default_doc="none")
     reclaim: bool = setting(True, "node", "reclaim a paused sandbox's memory (page cache; anonymous memory "
