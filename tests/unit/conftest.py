@@ -46,7 +46,7 @@ def fake_config(home: Path, **kw: object) -> NodeConfig:
     return cfg
 
 
-def _agents_under(home: Path) -> list[int]:
+def agents_under(home: Path) -> list[int]:
     """Live fake-sandbox agents started from this home (the node runs its copy of the agent binary)."""
     binary = str(home / "home" / "guest" / "shoal-agent").encode()
     out = []
@@ -65,7 +65,7 @@ def _agents_under(home: Path) -> list[int]:
 def fake_home(tmp_path: Path) -> Iterator[Path]:
     """A private home; at the end no sandbox process of it may be left running."""
     yield tmp_path
-    left = _agents_under(tmp_path)
+    left = agents_under(tmp_path)
     for pid in left:
         from shoal.backends.fake import descendants
 

@@ -18,7 +18,7 @@ from shoal.server.app import create_app
 from shoal.server.schemas import SpecIn
 from shoal.server.settings import ServerSettings
 from shoal.spec import SandboxSpec
-from tests.unit.conftest import AGENT_BUILT, add_image, fake_config
+from tests.unit.conftest import AGENT_BUILT, agents_under, add_image, fake_config
 
 pytestmark = pytest.mark.skipif(not AGENT_BUILT, reason="the agent is not built: run `make agent`")
 FAKE = {"backend": "fake"}
@@ -52,10 +52,14 @@ def _serve(home: Path, **cfg: object) -> Server:
     return Server(create_app(node, ServerSettings(), manage_node=True))
 
 
-@pytest.fixture
-def url(fake_home: Path) -> Iterator[str]:
-    with _serve(fake_home) as u:
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One server for the module (a server start is most of a test's time); nothing may be left running."""
+    home = tmp_path_factory.mktemp("served")
+    with _serve(home) as u:
         yield u
+    left = agents_under(home)
+    assert not left, f"sandbox agents left running: {left}"
 
 
 @pytest.fixture
