@@ -18,7 +18,7 @@ from shoal.server.app import create_app
 from shoal.server.schemas import SpecIn
 from shoal.server.settings import ServerSettings
 from shoal.spec import SandboxSpec
-from tests.unit.conftest import AGENT_BUILT, agents_under, add_image, fake_config
+from tests.unit.conftest import AGENT_BUILT, add_image, agents_under, fake_config
 
 pytestmark = pytest.mark.skipif(not AGENT_BUILT, reason="the agent is not built: run `make agent`")
 FAKE = {"backend": "fake"}
