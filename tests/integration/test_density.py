@@ -121,7 +121,7 @@ async def test_pressure_pauses_and_reclaims_idle_sandboxes_before_a_refusal(clie
         node.scheduling.last_used[sb.id] = 0.0  # idle since forever
     saved = node.config.min_free_memory_mb
     node.config.min_free_memory_mb = node.admission.snapshot().available_mb + (64 << 10)
-    node.scheduling._quiet_until = 0.0
+    node.scheduling.rearm()
     try:
         with pytest.raises(shoal.CapacityExceeded, match="idle sandboxes were paused and reclaimed first") as ei:
             await client.create("base", memory_mb=128)

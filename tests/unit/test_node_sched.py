@@ -255,7 +255,7 @@ async def test_pressure_pauses_the_longest_idle_sandboxes_before_refusing_a_crea
         assert "SHOAL_MIN_FREE_MB" in ei.value.message
         # a paused sandbox answers its next call
         idle(node, a.id, ago=3600)
-        node.scheduling._quiet_until = 0.0
+        node.scheduling.rearm()
         await node.create(spec("interactive"))
         assert (await node.get(a.id)).state == "paused"
         assert (await node.exec(a.id, "echo back")).stdout == b"back\n"

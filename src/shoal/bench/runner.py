@@ -190,7 +190,7 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     paths = Paths.from_env(home, st.store if st.is_set("store") else "/var/lib/shoal/store")
     # other scenarios start servers and nodes of their own: they use the same store
     os.environ.setdefault("SHOAL_STORE", str(paths.store))
-    cfg = NodeConfig(paths=paths, memory_overcommit=1000.0)
+    cfg = NodeConfig(paths=paths)  # the default settings: what a new user gets
     node = Node(cfg)
     ensure_base(node.store, log=lambda s: console.print(f"  {s}"))
     client = shoal.Client(transport=LocalTransport(node=node, reap=True))

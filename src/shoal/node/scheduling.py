@@ -375,6 +375,10 @@ class NodeScheduling:
                 e.args = (e.message,)
                 raise e from err
 
+    def rearm(self) -> None:
+        """Let the next tide or pressure pass run now, even right after one that found nothing to pause."""
+        self._quiet_until = 0.0
+
     def start(self) -> None:
         """Start the tide loop (when tides are on)."""
         if self.tides_enabled and self._task is None:

@@ -25,6 +25,7 @@ from shoal.bench.context import BenchContext
 from shoal.bench.docker import process_tree_rss
 from shoal.bench.results import Metric, ScenarioResult, at_least, at_most
 from shoal.bench.scenario import Scenario, param
+from shoal.bench.scenarios import oversub
 from shoal.bench.scenarios.common import close_all, docker_create_one, docker_remove_all, first_errors, spec
 from shoal.bench.stats import latency_summary, linear_slope
 from shoal.errors import ShoalError
@@ -39,6 +40,13 @@ class DensityParams:
     docker_target: int = param(300, quick=20, help="idle containers to reach (Docker)")
     docker_step: int = param(50, quick=10, help="containers added between two memory readings")
     docker_budget_s: float = param(180.0, quick=60.0, help="time Docker gets before it is cut short (at least 60)")
+    abuse_at: int = param(2000, quick=100, help="run the abuse phase once this many idle sandboxes are alive (0: skip)")
+    bombs: int = param(20, quick=4, help="memory-bomb sandboxes in the abuse phase")
+    bomb_mb: int = param(256, quick=128, help="memory_mb of each bomb sandbox")
+    abuse_s: float = param(20.0, quick=8.0, help="seconds over which the bombs go off")
+    probe_n: int = param(300, quick=100, help="probe execs measured before and after the bombs")
+    holders: int = param(16, quick=6, help="idle sandboxes holding memory in the pressure phase (0: skip)")
+    hold_mb: int = param(48, quick=32, help="MiB each holder's Python process keeps")
 
 MIB = 2**20
 #: stop adding sandboxes when the host has less memory available than this
@@ -79,8 +87,10 @@ def _per_item(points: list[dict[str, Any]], key: str) -> float | None:
     return None
 
 
-async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, Any]:
-    """Add idle sandboxes in batches until `target` (or a limit) and measure host memory after each batch."""
+async def shoal_density(ctx: BenchContext, target: int, step: int, sz: DensityParams | None = None
+                        ) -> dict[str, Any]:
+    """Add idle sandboxes in batches until `target` (or a limit) and measure host memory after each batch;
+    with `sz.abuse_at`, the abuse phase (shoal.bench.scenarios.oversub) runs once that many are alive."""
     node = ctx.node
     base = await _settle(2.0)
     base_cg = host.cgroup_memory_bytes("shoal") or 0
@@ -89,6 +99,8 @@ async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, 
     points: list[dict[str, Any]] = []
     errors: list[str] = []
     stop_reason = f"reached the target of {target}"
+    abuse: dict[str, Any] | None = None
+    snap0 = node.admission.snapshot()
     t0 = time.perf_counter()
     with ctx.task(f"shoal: up to {target} idle sandboxes", target) as adv:
         while len(ids) < target:
@@ -112,6 +124,15 @@ async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, 
             if now["available"] < FLOOR_BYTES:
                 stop_reason = f"host memory available fell below {FLOOR_BYTES // MIB} MiB"
                 break
+            if sz is not None and sz.abuse_at and abuse is None and len(ids) >= sz.abuse_at:
+                ctx.log(f"abuse phase: {sz.bombs} memory bombs beside {len(ids)} idle sandboxes")
+                abuse = await oversub.abuse(ctx, list(ids), sz.bombs, sz.bomb_mb, sz.abuse_s, sz.probe_n)
+                ctx.log(f"abuse: {abuse['oom_kills_in_bombs']} OOM kills in {abuse['bombs_killed']} bombs, "
+                        f"{abuse['oom_kills_outside_bombs']} elsewhere, {abuse['idle_agents_lost']} agents and "
+                        f"{abuse['watched_lost']} watched processes lost, probe p99 ×{abuse['probe_p99_ratio']}")
+    admitted = {"created": len(ids), "refused": len(errors), "overcommit_setting": snap0.overcommit,
+                "committed_mb": node.admission.snapshot().committed_mb, "total_mb": snap0.total_mb,
+                "refusal_samples": first_errors(errors)}
     # are they all still alive, and do they answer?
     await asyncio.sleep(2.0)
     backend = node.backend("container")
@@ -145,7 +166,8 @@ async def shoal_density(ctx: BenchContext, target: int, step: int) -> dict[str, 
             "kernel_agent_node_kib_per_sandbox": _attributable(points, agent_pss_kib),
             "node_fds_at_peak": fds, "close_all_s": round(close_s, 1),
             "close_rate_per_s": round(len(ids) / close_s, 1) if close_s else None,
-            "used_after_close_mib": round((after["used"] - base["used"]) / MIB, 1)}
+            "used_after_close_mib": round((after["used"] - base["used"]) / MIB, 1),
+            "admitted_with_defaults": admitted, "abuse": abuse}
 
 
 def _attributable(points: list[dict[str, Any]], agent_pss_kib: float) -> float | None:
@@ -203,8 +225,12 @@ async def run(ctx: BenchContext, sz: DensityParams) -> ScenarioResult:
     """The density scenario (see the module docstring)."""
     res = ScenarioResult("density", docker=ctx.docker_status)
     res.data["limits"] = host.kernel_limits()
-    s = await shoal_density(ctx, sz.target, sz.step)
+    s = await shoal_density(ctx, sz.target, sz.step, sz)
     res.data["shoal"] = s
+    pr: dict[str, Any] | None = None
+    if sz.holders:
+        ctx.log(f"pressure phase: {sz.holders} idle sandboxes holding {sz.hold_mb} MiB each")
+        pr = res.data["pressure"] = await oversub.pressure(ctx, sz.holders, sz.hold_mb)
     dk: dict[str, Any] = {}
     if ctx.docker:
         dk = await docker_density(ctx, sz.docker_target, sz.docker_step, sz.docker_budget_s)
@@ -225,6 +251,36 @@ async def run(ctx: BenchContext, sz: DensityParams) -> ScenarioResult:
                    note=f"agent PSS {s['agent_pss_kib']} KiB"),
             Metric(f"exec p50 with {s['created']} sandboxes alive", s["exec_sample"]["latency"].get("p50_ms"), None,
                    "ms"))
+    adm = s["admitted_with_defaults"]
+    res.add(Metric(f"default-spec sandboxes admitted with default settings (of {sz.target})", adm["created"], None,
+                   "", better="higher", target=f"= {sz.target}", met=adm["created"] >= sz.target,
+                   note=f"{adm['committed_mb'] // 1024:,} GiB promised on {adm['total_mb'] // 1024} GiB of RAM; "
+                        f"{adm['refused']} refused"))
+    ab = s.get("abuse")
+    if ab:
+        clean = ab["bombs_killed"] == ab["bombs"] and not ab["oom_kills_outside_bombs"] and \
+            not ab["idle_agents_lost"] and not ab["watched_lost"]
+        res.add(Metric(f"abuse: bombs OOM-killed in their own sandboxes (of {ab['bombs']}), {ab['idle_alive']} idle "
+                       "alive", ab["bombs_killed"], None, "", better="higher", target=f"= {ab['bombs']}, nothing else",
+                       met=clean, note=f"{ab['oom_kills_in_bombs']} kills in bombs, {ab['oom_kills_outside_bombs']} "
+                       f"elsewhere on the host; agents lost {ab['idle_agents_lost']}, watched processes lost "
+                       f"{ab['watched_lost']} of {ab['watched']}"),
+                Metric("abuse: probe exec p99 during the bombs ÷ idle", ab["probe_p99_ratio"], None, "×",
+                       target="≤ 2×", met=at_most(ab["probe_p99_ratio"], 2.0),
+                       note=f"idle p99 {ab['probe_idle_before'].get('p99_ms')}/{ab['probe_idle_after'].get('p99_ms')} "
+                            f"ms (before/after), during {ab['probe_during'].get('p99_ms')} ms"))
+    if pr:
+        res.add(Metric("pressure: memory returned by pausing idle sandboxes (net of zram)", pr["net_returned_mb"],
+                       None, "MiB", better="higher",
+                       note=f"{pr['paused']} paused in {pr['relief_s']} s; {pr['net_returned_pct_of_held']}% of the "
+                            f"{pr['held_mb']} MiB held; reclaimed off "
+                            f"their cgroups {pr['reclaimed_from_cgroups_mb']} MiB, zram grew "
+                            f"{pr['zram_memory_delta_mb']} MiB; "
+                            f"MemAvailable {pr['memory_returned_mb']:+} MiB (the whole host); create admitted: "
+                            f"{pr['create_admitted']}"),
+                Metric("pressure: first call to a paused sandbox (resume + prefetch)",
+                       (pr.get("resume") or {}).get("first_call_s"), None, "s",
+                       note=f"its process intact: {(pr.get('resume') or {}).get('intact')}"))
     res.notes.append("per-sandbox breakdown (KiB, slopes): " + ", ".join(
         f"{k.removesuffix('_mib')} {v}" for k, v in s["breakdown_kib_per_sandbox"].items()))
     if dk and dk["created"] < sz.docker_target:
