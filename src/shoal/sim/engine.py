@@ -12,8 +12,9 @@ What the simulator models around the decisions (the knobs are `SimConfig` fields
   sandbox at most `node_start_rate` per second, `start_s` after its layers are there (ready delay);
 * a sandbox gets calls for its trace's `active_s`, then idles until its final call at close time: it
   counts as in use until its active phase ends (so only idle sandboxes are ever paused);
-* a paused sandbox gives back `reclaim_fraction` of its used memory; its final call resumes it when its
-  node has room (`can_resume`), paying `resume_s` plus the prefetch of that memory, or waits for room;
+* a paused sandbox gives back `reclaim_fraction` (60%) of its used memory; its final call resumes it when
+  its node has room (`can_resume`), paying `resume_s` plus the prefetch of that memory, or waits for room
+  (both figures from `shoal bench tides` on a real node);
 * an unused layer stays mounted `layer_keep_s` (locality for the next sandbox of the image).
 """
 
@@ -69,9 +70,13 @@ class SimConfig:
     mount_s: float = 0.5
     start_s: float = 0.15
     node_start_rate: float = 400.0
-    reclaim_fraction: float = 0.85
-    resume_s: float = 0.3
-    resume_mb_per_s: float = 2000.0
+    #: share of a paused sandbox's used memory given back (measured on a real node with zram swap by
+    #: `shoal bench tides`: 53-77%)
+    reclaim_fraction: float = 0.6
+    #: a resume costs this plus reading back what was given (measured: a tided sandbox's first request
+    #: took ~150 ms more than a running one's, p50, for ~21 MiB given back)
+    resume_s: float = 0.1
+    resume_mb_per_s: float = 400.0
     layer_keep_s: float = 600.0
     sample_s: float = 60.0
     seed: int = 0
