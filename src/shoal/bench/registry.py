@@ -17,6 +17,7 @@ SCENARIOS: dict[str, str] = {
     "exec": "shoal.bench.scenarios.exec_",
     "density": "shoal.bench.scenarios.density",
     "qos": "shoal.bench.scenarios.qos",
+    "sharing": "shoal.bench.scenarios.sharing",
     "disk": "shoal.bench.scenarios.disk",
     "lazy": "shoal.bench.scenarios.lazy",
     "fork": "shoal.bench.scenarios.fork",
@@ -31,7 +32,7 @@ SCENARIOS: dict[str, str] = {
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
-ALIASES: dict[str, str] = {"image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
+ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api",
                            "e2b": "compat", "swerex": "compat", "ray": "cluster"}
 

@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ class CreateParams:
     sustained_concurrency: tuple[int, ...] = param((1, 8, 32), quick=(16,),
                                                    help="concurrency of the sustained-rate phases")
     sustained_docker_s: float = param(15.0, quick=4.0, help="seconds of each sustained-rate phase (Docker)")
+    interleaved_concurrency: tuple[int, ...] = param((8, 32), quick=(16,),
+                                                     help="workers of the create-then-close-the-previous loop")
     burst: int = param(1000, quick=100, help="sandboxes in the create_many burst (shoal)")
     burst_docker: int = param(1000, quick=20, help="containers in the burst (Docker)")
     docker_budget_s: float = param(180.0, quick=30.0, help="time Docker gets per phase before it is cut short")
@@ -130,6 +135,46 @@ async def sustained(ctx: BenchContext, concurrency: int, duration: float) -> tup
     ids = [i.id for i in t.items]
     close_s = await close_all(ctx, ids, f"closing {len(ids)} sandboxes")
     return t, close_s
+
+
+async def interleaved(create: Callable[[], Awaitable[Any]], close: Callable[[Any], Awaitable[Any]], concurrency: int,
+                      duration: float, advance: Callable[..., None] | None = None) -> tuple[Timed, list[float]]:
+    """The RL loop: each of `concurrency` workers creates a sandbox, then closes the one it made before, back
+    to back for `duration` s (so `concurrency` stay alive and every create competes with a teardown).
+    Returns the creates (latency, completion times) and the closes' latencies; the last ones are closed."""
+    out = Timed(duration=duration)
+    closes: list[float] = []
+    t0 = time.perf_counter()
+    stop_at = t0 + duration
+    leftovers: list[Any] = []
+
+    async def worker() -> None:
+        prev = None
+        while time.perf_counter() < stop_at:
+            s = time.perf_counter()
+            try:
+                item = await create()
+            except Exception as e:
+                out.errors.append(f"{type(e).__name__}: {e}"[:300])
+                continue
+            e = time.perf_counter()
+            out.latencies.append(e - s)
+            out.done_at.append(e - t0)
+            if advance:
+                advance()
+            if prev is not None:
+                c = time.perf_counter()
+                with contextlib.suppress(Exception):
+                    await close(prev)
+                closes.append(time.perf_counter() - c)
+            prev = item
+        if prev is not None:
+            leftovers.append(prev)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    out.wall = time.perf_counter() - t0
+    await asyncio.gather(*(close(x) for x in leftovers), return_exceptions=True)
+    return out, closes
 
 
 async def docker_sustained(ctx: BenchContext, concurrency: int, duration: float) -> tuple[Timed, float]:
@@ -246,6 +291,40 @@ async def run(ctx: BenchContext, sz: CreateParams) -> ScenarioResult:
     res.add(Metric(f"sustained creates/s (best of concurrency {list(sz.sustained_concurrency)})", round(best[0], 1),
                    round(dbest[0], 2) if ctx.docker else None, "/s", better="higher", target="≥ 150/s",
                    met=at_least(best[0], 150), note=f"shoal at {best[1]}, Docker at {dbest[1]}"))
+    # the RL loop: every create beside the close of the sandbox it replaces (shoal, then Docker)
+    d["interleaved"] = []
+    ibest: tuple[float, int, dict[str, Any]] = (0.0, 0, {})
+    for c in sz.interleaved_concurrency:
+        with ctx.task(f"shoal: create + close the previous, {c} workers, {sz.sustained_s:.0f}s", None) as adv:
+            t, closes = await interleaved(lambda: create_one(ctx), lambda i: ctx.node.close(i.id), c,
+                                          sz.sustained_s, adv)
+        row = {"concurrency": c, "seconds": sz.sustained_s, "created": len(t.latencies),
+               "rate_per_s": round(t.rate(), 1), "create": latency_summary(t.latencies),
+               "close": latency_summary(closes), "errors": len(t.errors), "error_samples": first_errors(t.errors)}
+        d["interleaved"].append(row)
+        if t.rate() > ibest[0]:
+            ibest = (t.rate(), c, row)
+    dib: tuple[float, int, dict[str, Any]] = (0.0, 0, {})
+    if ctx.docker:
+        d["interleaved_docker"] = []
+        docker = ctx.docker
+        for c in sorted({min(c, 16) for c in sz.interleaved_concurrency}):
+            with ctx.task(f"Docker: run + remove the previous, {c} workers, {sz.sustained_docker_s:.0f}s", None) as adv:
+                t, closes = await interleaved(lambda: docker_create_one(ctx), docker.remove, c,
+                                              sz.sustained_docker_s, adv)
+            row = {"concurrency": c, "seconds": sz.sustained_docker_s, "rate_per_s": round(t.rate(), 2),
+                   "create": latency_summary(t.latencies), "close": latency_summary(closes), "errors": len(t.errors)}
+            d["interleaved_docker"].append(row)
+            if t.rate() > dib[0]:
+                dib = (t.rate(), c, row)
+    res.add(Metric(f"sustained creates/s with closes interleaved (best of {list(sz.interleaved_concurrency)})",
+                   round(ibest[0], 1), round(dib[0], 2) if ctx.docker else None, "/s", better="higher",
+                   target="≥ 150/s", met=at_least(ibest[0], 150),
+                   note=f"shoal at {ibest[1]} workers, Docker at {dib[1]}; every create beside the close of the "
+                        "sandbox it replaces"),
+            Metric("create p50 in that loop", ibest[2].get("create", {}).get("p50_ms"),
+                   dib[2].get("create", {}).get("p50_ms") if dib[2] else None, "ms",
+                   note=f"close p50 {ibest[2].get('close', {}).get('p50_ms')} ms"))
     sp = d["sustained_with_pool"]
     res.add(Metric(f"sustained creates/s with a warm pool of {sp['pool_size']} (refills included)",
                    sp["rate_per_s"], None, "/s", better="higher", note=f"{sp['pool_hits']} pool hits"))
