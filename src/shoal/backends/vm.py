@@ -197,6 +197,8 @@ class QemuVmBackend(Backend):
         self._accel_detail = ""
         #: what turning KSM on did (shoal.host.ksm.enable), once this process started a VM
         self.ksm_setup: dict[str, Any] = {}
+        #: mergeable guest RAM: None = SHOAL_VM_KSM, else this
+        self.ksm: bool | None = None
         self._ksm_on = False
 
     # ---- facts
@@ -293,8 +295,9 @@ class QemuVmBackend(Backend):
         rec.save()
 
     def _ram(self, st: Any) -> str:
-        """Guest RAM mergeable by KSM (turned on here, once per node process) unless SHOAL_VM_KSM=0."""
-        if not st.vm_ksm:
+        """Guest RAM mergeable by KSM (turned on here, once per node process) unless SHOAL_VM_KSM=0 (or
+        `self.ksm` says otherwise: the benchmark compares both)."""
+        if not (st.vm_ksm if self.ksm is None else self.ksm):
             return "memfd"
         if not self._ksm_on:
             from shoal.host import ksm

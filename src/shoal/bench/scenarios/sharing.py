@@ -5,8 +5,8 @@
   the file's pages resident in the host page cache (`fincore` on the layer mount) after one sandbox read it
   and after all `sandboxes` read it, against what N private copies would take.
 * **KSM** — `vms` identical microVMs (the same kernel, initramfs and image, each running the same short
-  program) are booted twice: with guest RAM in a memfd (`SHOAL_VM_KSM=0`: never merged) and as private
-  mergeable memory with ksmd on (`SHOAL_VM_KSM=1`, the default). Measured: the QEMU processes' memory (PSS,
+  program) are booted twice: with guest RAM in a memfd (as with `SHOAL_VM_KSM=0`: never merged) and as
+  private mergeable memory with ksmd on (`SHOAL_VM_KSM=1`, the default). Measured: the QEMU processes' memory (PSS,
   which divides a merged page among the processes mapping it), and ksmd's own count of pages no longer
   stored (pages_sharing + merged zero pages), once it has scanned everything twice after the boots.
 Under TCG (no KVM here) a microVM boot takes seconds of CPU; on a KVM host the same runs much faster.
@@ -148,8 +148,8 @@ async def _ksm_settle(wait_s: float) -> dict[str, int]:
 
 async def vms(ctx: BenchContext, sz: SharingParams, with_ksm: bool) -> dict[str, Any]:
     """Boot `sz.vms` microVMs with or without KSM; their memory once booted and used."""
-    old = os.environ.get("SHOAL_VM_KSM")
-    os.environ["SHOAL_VM_KSM"] = "1" if with_ksm else "0"
+    backend = ctx.node.backend("microvm")
+    backend.ksm = with_ksm  # type: ignore[attr-defined]  # (the VM backend's override of SHOAL_VM_KSM)
     ids: list[str] = []
     try:
         before = host.memory_snapshot()
@@ -163,10 +163,7 @@ async def vms(ctx: BenchContext, sz: SharingParams, with_ksm: bool) -> dict[str,
         per = [process_tree_rss([p]) for p in pids]
         after = host.memory_snapshot()
     finally:
-        if old is None:
-            os.environ.pop("SHOAL_VM_KSM", None)
-        else:
-            os.environ["SHOAL_VM_KSM"] = old
+        backend.ksm = None  # type: ignore[attr-defined]
         await close_all(ctx, ids, "closing the microVMs")
     return {"with_ksm": with_ksm, "booted": len(ids), "errors": errors[:3], "boot_all_s": round(boot_s, 1),
             "guest_ram": sorted(r or "?" for r in rams), "qemu_pss_total_mb": round(pss / MIB, 1),
