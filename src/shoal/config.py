@@ -357,6 +357,12 @@ class Settings:
     mntns: bool = setting(True, "node", "start containers through the mount-namespace helper (C, built once)",
                           BOOL)
     sh: bool = setting(False, "node", "string commands run with /bin/sh -c instead of /bin/bash -c", BOOL)
+    events: bool = setting(True, "node", "keep the node's event log ($SHOAL_HOME/events: created, paused, resumed, "
+                           "oom, timeout, lost, closed; read by `shoal events`, the SDK and the dashboard)", BOOL)
+    events_commands: bool = setting(True, "node", "also log every finished command (cut to 300 characters) with "
+                                    "its exit code and duration (the dashboard's recent commands)", BOOL)
+    events_max_mb: int = setting(64, "node", "an event log file is rotated past this size (MiB; one older file "
+                                 "is kept)", integer(1))
     # ---- admission
     memory_overcommit: float = setting(1000.0, "admission", "commitment policy: refuse creates when the memory "
                                        "promised to sandboxes (their memory_mb) passes this multiple of RAM; the "

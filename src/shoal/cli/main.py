@@ -236,6 +236,10 @@ from shoal.cli.server import register as _register_server  # noqa: E402
 
 _register_server(app)
 
+from shoal.cli.observe import register as _register_observe  # noqa: E402 - `shoal events` and `shoal top`
+
+_register_observe(app)
+
 from shoal.cli.demo import register as _register_demo  # noqa: E402 - `shoal demo` and `shoal tasks` live there
 
 _register_demo(app)

@@ -33,7 +33,8 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
     return_mem = {"total_mb": adm.total_mb, "limit_mb": adm.limit_mb, "committed_mb": adm.committed_mb,
                   "available_mb": adm.available_mb, "used_mb": adm.total_mb - adm.available_mb,
                   "free_mb": adm.free_mb, "headroom_mb": adm.headroom_mb, "room": adm.room,
-                  "expected_mb": round(float(adm.expected_mb), 1)}
+                  "expected_mb": round(float(adm.expected_mb), 1),
+                  "reclaimed_mb": round(sum(node.reclaimed.values()) / 2**20, 1)}
     return {
         "node_id": node.config.node_id, "ray_node_id": ray_node_id, "url": url,
         "memory": return_mem,

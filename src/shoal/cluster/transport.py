@@ -579,6 +579,44 @@ class ClusterTransport(Transport):
         nid = await self._any_node()
         return await self._on_node(nid, "run_code", lambda h: h.run_code_many(items, **kw))
 
+    # ---- what the dashboard asks of every node (shoal.server.observe) --------------------------------
+    async def node_json(self, node_id: str, method: str, path: str, *, params: Any = None) -> Any:
+        """One request to a node agent's own API (as the cluster-internal admin), its JSON answer."""
+        async def go(h: Any) -> Any:
+            r = await h._request(method, path, params=params)
+            return r.json()
+
+        return await self._on_node(node_id, "get", go)
+
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
+                     since: float | None = None, limit: int = 200) -> list[Any]:
+        """A sandbox's events from its node; without a sandbox, the newest events of every node."""
+        if sandbox_id is not None:
+            return list(await self._on_sandbox(sandbox_id, "get", lambda h: h.events(
+                sandbox_id, commands=commands, kinds=kinds, since=since, limit=limit)))
+        nids = [s["node_id"] for s in await self.states(max_age_s=1.0)]
+        per = await asyncio.gather(*(self._on_node(nid, "get", lambda h: h.events(
+            kinds=kinds, since=since, limit=limit)) for nid in nids), return_exceptions=True)
+        out = [e for got in per if not isinstance(got, BaseException) for e in got]
+        out.sort(key=lambda e: e.t)
+        return out[-limit:]
+
+    async def node_text(self, node_id: str, path: str) -> str:
+        """A node agent's text answer (its /metrics)."""
+        async def go(h: Any) -> str:
+            r = await h._request("GET", path)
+            return str(r.text)
+
+        return str(await self._on_node(node_id, "get", go))
+
+    async def lost_sandboxes(self) -> list[SandboxInfo]:
+        """Sandboxes of nodes that have left the cluster (state `lost`), from the nodes' published indexes."""
+        alive = {s["node_id"] for s in await self.states(max_age_s=2.0)}
+        out: list[SandboxInfo] = []
+        for nid in await self._lost_nodes(alive):
+            out += await self._lost_infos(nid)
+        return out
+
     # ---- sandboxes of nodes that are gone ---------------------------------------------------------
     async def _index(self, node_id: str) -> list[dict[str, Any]] | None:
         raw = await asyncio.to_thread(kv_get, KV_INDEX_PREFIX + node_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -128,3 +129,49 @@ def remove_tree(rel_path: str) -> None:
                     os.rmdir(os.path.join(sub, name))
         with contextlib.suppress(OSError):
             os.rmdir(d)
+
+
+def oom_kills(rel_path: str) -> int | None:
+    """How many processes the kernel's OOM killer has killed in this memory cgroup (v2 `memory.events`,
+    v1 `memory.oom_control`: both have an `oom_kill` line since Linux 4.13); None when unreadable."""
+    cg = SandboxCgroup(rel_path)
+    raw = cg.read("memory", "memory.events" if cg.mode == "v2" else "memory.oom_control")
+    if not raw:
+        return None
+    for line in raw.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "oom_kill" and v.strip().isdigit():
+            return int(v)
+    return None
+
+
+def usage(rel_path: str) -> dict[str, Any]:
+    """What a sandbox's cgroups measure now: memory charge and working set (MiB), memory limit, CPU time
+    (s), processes, OOM kills. Missing files leave their keys out."""
+    cg = SandboxCgroup(rel_path)
+    out: dict[str, Any] = {}
+    mem = cg.memory_bytes()
+    if mem is not None:
+        out["memory_mb"] = round(mem / 2**20, 2)
+        ws = cg.working_set_bytes()
+        if ws is not None:
+            out["working_set_mb"] = round(ws / 2**20, 2)
+    lim = cg.read("memory", "memory.max" if cg.mode == "v2" else "memory.limit_in_bytes")
+    if lim and lim.strip().isdigit() and int(lim) < 1 << 60:
+        out["memory_limit_mb"] = round(int(lim) / 2**20, 1)
+    if cg.mode == "v2":
+        for line in (cg.read("cpu", "cpu.stat") or "").splitlines():
+            k, _, v = line.partition(" ")
+            if k == "usage_usec" and v.strip().isdigit():
+                out["cpu_s"] = round(int(v) / 1e6, 3)
+    else:
+        v = cg.read("cpuacct", "cpuacct.usage")
+        if v and v.strip().isdigit():
+            out["cpu_s"] = round(int(v) / 1e9, 3)
+    pids = cg.read("pids", "pids.current")
+    if pids and pids.strip().isdigit():
+        out["pids"] = int(pids)
+    kills = oom_kills(rel_path)
+    if kills is not None:
+        out["oom_kills"] = kills
+    return out

@@ -7,6 +7,7 @@ control plane (create, close, pause, snapshot). `Node` mixes this class in; it s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from shoal.models import DirEntry, ExecResult
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.config import NodeConfig
+    from shoal.node.events import EventLog
     from shoal.node.records import SandboxRecord
 
 
@@ -30,6 +32,19 @@ class DataPlane:
     """exec / stream / files / shells of a node's sandboxes."""
 
     config: NodeConfig
+    events: EventLog
+
+    def check_oom(self, rec: SandboxRecord, *, cmd: str | list[str] | None = None,
+                  when: str = "") -> int:  # pragma: no cover - provided by Node
+        """Log new OOM kills of the sandbox."""
+        raise NotImplementedError
+
+    def _log_command(self, rec: SandboxRecord, cmd: str | list[str], r: ExecResult, t0: float, via: str) -> None:
+        # one line in the command log; a command killed by SIGKILL may have been the OOM killer's victim
+        self.events.command(rec.id, rec.project, cmd, exit_code=r.exit_code, duration_s=time.perf_counter() - t0,
+                            timed_out=r.timed_out, via=via, signal=r.signal)
+        if r.signal == 9 or r.exit_code == 137:
+            self.check_oom(rec, cmd=cmd, when=f"{via} killed by SIGKILL")
 
     def record(self, sandbox_id: str) -> SandboxRecord:  # pragma: no cover - provided by Node
         """The sandbox's record."""
@@ -54,8 +69,11 @@ class DataPlane:
         cap = _output_cap(rec, max_output)
         check_env(env)
         check_timeout(timeout)
-        return await self.call(rec, lambda c: c.exec(
+        t0 = time.perf_counter()
+        r: ExecResult = await self.call(rec, lambda c: c.exec(
             argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap, stdin=stdin))
+        self._log_command(rec, cmd, r, t0, "exec")
+        return r
 
     async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
@@ -69,8 +87,12 @@ class DataPlane:
         c = await self.client(sandbox_id, rec)
         # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
         cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
-        return await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
-                                   tty=tty, stdin=stdin)
+        t0 = time.perf_counter()
+        h = await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
+                                tty=tty, stdin=stdin)
+        if not self.events.commands_enabled:
+            return h
+        return LoggedStream(h, lambda r: self._log_command(rec, cmd, r, t0, "tty" if tty else "stream"))
 
     # ---- files ----------------------------------------------------------------------------------
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
@@ -112,12 +134,47 @@ class DataPlane:
         check_timeout(timeout)
         rec = self.record(sandbox_id)
         cap = _output_cap(rec, max_output)
-        return await self.call(rec, lambda c: c.shell_run(shell_id, cmd, timeout=timeout, max_output=cap))
+        t0 = time.perf_counter()
+        r: ExecResult = await self.call(rec, lambda c: c.shell_run(shell_id, cmd, timeout=timeout, max_output=cap))
+        self._log_command(rec, cmd, r, t0, "shell")
+        return r
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         """End a shell session and its processes."""
         rec = self.record(sandbox_id)
         await self.call(rec, lambda c: c.shell_close(shell_id))
+
+
+class LoggedStream:
+    """A stream handle that reports its result once, when the exit event (or `wait()`) delivers it; every
+    other attribute is the wrapped handle's."""
+
+    def __init__(self, inner: Any, on_exit: Callable[[ExecResult], None]) -> None:
+        self._inner = inner
+        self._on_exit: Callable[[ExecResult], None] | None = on_exit
+
+    def _done(self, r: ExecResult | None) -> None:
+        cb, self._on_exit = self._on_exit, None
+        if cb is not None and r is not None:
+            cb(r)
+
+    def __aiter__(self) -> LoggedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        ev = await self._inner.__anext__()
+        if ev.kind == "exit":
+            self._done(ev.result)
+        return ev
+
+    async def wait(self) -> ExecResult:
+        """The wrapped handle's wait(), reported."""
+        r: ExecResult = await self._inner.wait()
+        self._done(r)
+        return r
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def _argv(cmd: str | list[str], posix_sh: bool) -> list[str]:

@@ -79,6 +79,12 @@ class Node(DataPlane):
 
         #: jobs, preemption by pausing, gangs, compute tides (shoal.sched's decisions on this node)
         self.scheduling = NodeScheduling(self)
+        from shoal.node.events import EventLog
+
+        #: what happened to each sandbox, and the commands it ran ($SHOAL_HOME/events; shoal.node.events)
+        self.events = EventLog.from_settings(self.paths.home, self.config.node_id)
+        #: bytes the last pause reclaimed, per sandbox paused by this process (the dashboard's "reclaimed")
+        self.reclaimed: dict[str, int] = {}
         #: what backends see of this node
         self.context = NodeContext(
             config=self.config, store=self.store, layer_mounts=self.layer_mounts, guest_dir=self.guest_dir,
@@ -277,8 +283,17 @@ class Node(DataPlane):
         rec.state = "running"
         rec.save()
         if not rec.extra.get("pool"):
-            self.scheduling.created(rec)
+            self.sandbox_created(rec)
         return self.describe(rec)
+
+    def sandbox_created(self, rec: SandboxRecord) -> None:
+        """A sandbox was handed out to its user (made for it, or taken from a warm pool): count it for
+        its job and log it."""
+        self.scheduling.created(rec)
+        spec = rec.spec
+        self.events.emit("created", rec.id, rec.project, image=rec.image, backend=rec.backend,
+                         cpus=spec.get("cpus"), memory_mb=spec.get("memory_mb"), labels=rec.labels or None,
+                         pooled=True if "pooled_s" in rec.extra else None)
 
     async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None,
                           on_done: Callable[[SandboxInfo | ShoalError], None] | None = None, *,
@@ -350,8 +365,9 @@ class Node(DataPlane):
             raise SandboxError(f"gang create failed ({len(infos)} of {n} had started and were closed): {err}") from err
         return list(infos)
 
-    async def close(self, sandbox_id: str) -> None:
-        """Destroy a sandbox and everything it had on the host."""
+    async def close(self, sandbox_id: str, *, reason: str = "user") -> None:
+        """Destroy a sandbox and everything it had on the host. `reason` goes to the event log: "user",
+        "timeout" (its TTL passed), "lost" (its init died)."""
         rec = self.record(sandbox_id)
         await self.connections.drop(sandbox_id)
         # the loop-safe lock: a blocking flock here would deadlock against a pause/snapshot in progress
@@ -363,11 +379,17 @@ class Node(DataPlane):
             rec.state = "stopping"
             with contextlib.suppress(OSError):
                 rec.save()
+            if not rec.extra.get("pool"):
+                self.check_oom(rec, when="before close")
             try:
                 await self.backend(rec.backend).destroy(rec)
             finally:
                 self.admission.release(sandbox_id)
                 self.scheduling.closed(rec)
+                self.reclaimed.pop(sandbox_id, None)
+                if not rec.extra.get("pool"):
+                    self.events.emit("closed", sandbox_id, rec.project, reason=reason,
+                                     lived_s=round(time.time() - rec.created_at, 3))
         self.locks.forget(sandbox_id)
         if rec.extra.get("forked"):
             from shoal.node.snapshot import drop_fork_snapshots
@@ -400,6 +422,32 @@ class Node(DataPlane):
                 continue  # warm, not handed out to anyone yet
             out.append(self.describe(rec))
         return out
+
+    # ---- OOM kills ------------------------------------------------------------------------------
+    def check_oom(self, rec: SandboxRecord, *, cmd: str | list[str] | None = None, when: str = "") -> int:
+        """Log an `oom` event when the kernel's OOM killer killed processes of the sandbox since the last
+        check (its memory cgroup's oom_kill counter); returns how many new kills. Cheap (one cgroup file),
+        so it runs after a command killed by SIGKILL and before a close."""
+        if not rec.cgroup:
+            return 0
+        from shoal.host.cgroups import oom_kills
+
+        n = oom_kills(rec.cgroup)
+        seen = int(rec.extra.get("oom_kills", 0))
+        if n is None or n <= seen:
+            return 0
+        with contextlib.suppress(SandboxNotFound, OSError):
+            fresh = self.record(rec.id)
+            fresh.extra["oom_kills"] = n
+            fresh.save()
+        rec.extra["oom_kills"] = n
+        data: dict[str, Any] = {"kills": n - seen, "memory_mb": rec.spec.get("memory_mb")}
+        if cmd is not None:
+            data["cmd"] = (cmd if isinstance(cmd, str) else " ".join(cmd))[:300]
+        if when:
+            data["noticed"] = when
+        self.events.emit("oom", rec.id, rec.project, **data)
+        return n - seen
 
     # ---- reaching the agent -------------------------------------------------------------------
     async def client(self, sandbox_id: str, rec: SandboxRecord | None = None) -> AgentClient:
@@ -458,6 +506,10 @@ class Node(DataPlane):
             if (self.config.reclaim_on_pause if reclaim is None else reclaim) and backend.can(Capability.RECLAIM):
                 rec.extra["reclaim"] = await backend.reclaim(rec, record_working_set=self.config.prefetch_on_resume)
                 rec.save()
+                self.reclaimed[sandbox_id] = int(rec.extra["reclaim"].get("reclaimed") or 0)
+            got = self.reclaimed.get(sandbox_id)
+            self.events.emit("paused", sandbox_id, rec.project, by=by or "user",
+                             reclaimed_mb=None if got is None else round(got / 2**20, 2))
 
     async def resume(self, sandbox_id: str, prefetch: bool | None = None) -> None:
         """Read the paused sandbox's working set back in (see shoal.node.reclaim), then thaw it."""
@@ -479,6 +531,8 @@ class Node(DataPlane):
             rec.save()
             self.admission.resumed(sandbox_id)
             self.scheduling.resumed(sandbox_id)
+            self.reclaimed.pop(sandbox_id, None)
+            self.events.emit("resumed", sandbox_id, rec.project)
 
     async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
         """Move a running sandbox to another CPU class (`interactive` or `batch`, see shoal.node.cpuclass),

@@ -123,7 +123,7 @@ class WarmPool:
             rec.created_at = now
             rec.expires_at = (now + float(spec.ttl_s)) if spec.ttl_s else None
             rec.save()
-            node.scheduling.created(rec)
+            node.sandbox_created(rec)
             self.hits += 1
             return node.describe(rec)
         self.misses += 1

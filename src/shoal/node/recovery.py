@@ -75,8 +75,10 @@ class Recovery:
             if rec.extra.get("pool") and not rec.owner_alive():
                 dead = True  # a warm sandbox of a node process that is gone: nobody will hand it out
             if dead:
+                if rec.state in ("running", "paused") and not rec.extra.get("pool"):
+                    node.events.emit("lost", rec.id, rec.project, reason="its init process was gone at node start")
                 with contextlib.suppress(Exception):
-                    await node.close(rec.id)
+                    await node.close(rec.id, reason="lost" if rec.state in ("running", "paused") else "cleanup")
                 cleaned += 1
             else:
                 live.append(rec)
@@ -124,9 +126,14 @@ class Recovery:
             expired = rec.expires_at is not None and now >= rec.expires_at
             dead = rec.state in ("running", "paused") and not self.alive(rec)
             if (expired and rec.state in ("running", "paused", "failed")) or dead:
+                if not rec.extra.get("pool"):
+                    if dead:
+                        self.node.events.emit("lost", rec.id, rec.project, reason="its init process is gone")
+                    else:
+                        self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.spec.get("ttl_s"))
                 with contextlib.suppress(SandboxNotFound):
                     try:
-                        await self.node.close(rec.id)
+                        await self.node.close(rec.id, reason="lost" if dead else "timeout")
                         n += 1
                     except ShoalError as e:
                         log.warning("reaper could not close %s: %s", rec.id, e)

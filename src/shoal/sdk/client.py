@@ -13,6 +13,7 @@ from shoal.sdk.sandbox import Sandbox
 from shoal.sdk.transport import Transport
 
 if TYPE_CHECKING:
+    from shoal.node.events import SandboxEvent
     from shoal.sdk.jobs import Job
     from shoal.spec import SandboxSpec
 
@@ -144,6 +145,14 @@ class Client:
         """Images in the store."""
         t = await self._ensure()
         return await t.images()
+
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
+                     since: float | None = None, limit: int = 200) -> list[SandboxEvent]:
+        """The event log: a sandbox's lifecycle events (created, paused, resumed, oom, timeout, lost, closed),
+        or with `commands` the commands it ran (exit code, duration); without a sandbox, the newest events of
+        every sandbox this client may see. Oldest first; readable after a sandbox was closed."""
+        t = await self._ensure()
+        return await t.events(sandbox_id, commands=commands, kinds=kinds, since=since, limit=limit)
 
     async def run_code(self, code: str, language: str = "python", **kw: Any) -> Any:
         """Run a short snippet on the fncall backend (a warm pool; no sandbox to manage)."""

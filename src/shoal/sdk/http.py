@@ -339,6 +339,26 @@ class HttpTransport(Transport):
             todo = again
         return [x if x is not None else ShoalError("no result") for x in out]
 
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
+                     since: float | None = None, limit: int = 200) -> list[Any]:
+        from shoal.node.events import SandboxEvent
+
+        if sandbox_id is not None:
+            r = await self._request("GET", f"/v1/sandboxes/{_sid(sandbox_id)}/events",
+                                    params=[("commands", "true" if commands else "false")])
+            evs = r.json()["events"]
+            if kinds:
+                evs = [e for e in evs if e.get("kind") in kinds]
+            if since is not None:
+                evs = [e for e in evs if float(e.get("t", 0)) > since]
+            evs = evs[-limit:]
+        else:
+            params: list[tuple[str, str]] = [("limit", str(limit))] + [("kind", k) for k in kinds or []]
+            if since is not None:
+                params.append(("since", repr(float(since))))
+            evs = (await self._request("GET", "/v1/events", params=params)).json()["events"]
+        return [SandboxEvent.from_dict(e) for e in evs]
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         r = await self._request("GET", f"/v1/sandboxes/{_sid(sandbox_id)}")
         return decode_info(r.json())

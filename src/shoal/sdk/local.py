@@ -12,6 +12,7 @@ from shoal.node.node import Node
 from shoal.sdk.transport import Cmd, StreamHandle, Transport
 
 if TYPE_CHECKING:
+    from shoal.node.events import SandboxEvent
     from shoal.spec import SandboxSpec
 
 
@@ -89,6 +90,20 @@ class LocalTransport(Transport):
 
     async def images(self) -> builtins.list[dict[str, Any]]:
         return [img.to_dict() for img in self.node.store.list_images()]
+
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
+                     since: float | None = None, limit: int = 200) -> list[SandboxEvent]:
+        """From this node's event log files ($SHOAL_HOME/events)."""
+        import asyncio
+
+        from shoal.node.events import EXEC, LIFECYCLE, read_events
+        from shoal.node.records import check_sandbox_id
+
+        if sandbox_id is not None:
+            check_sandbox_id(sandbox_id)
+        want = [EXEC] if commands else list(kinds or LIFECYCLE)
+        return await asyncio.to_thread(read_events, self.node.paths.home, sandbox_id=sandbox_id, kinds=want,
+                                       since=since, limit=limit)
 
     async def run_code(self, code: str, **kw: Any) -> Any:
         return await self.node.run_code(code, **kw)

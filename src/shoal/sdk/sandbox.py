@@ -180,6 +180,11 @@ class Sandbox:
                 raise it
         return out
 
+    async def events(self, *, commands: bool = False) -> list[Any]:
+        """This sandbox's events (created, paused, resumed, oom, timeout, lost, closed), or with `commands`
+        the commands it ran with exit codes and durations; oldest first."""
+        return await self._client.transport.events(self.id, commands=commands)
+
     async def refresh(self) -> SandboxInfo:
         """Re-read the sandbox's info (state, expiry)."""
         self.info = await self._t.get(self.id)

@@ -134,6 +134,10 @@ class SyncSandbox:
         """List a directory."""
         return self._loop.run(self._sb.list_dir(path))
 
+    def events(self, *, commands: bool = False) -> list[Any]:
+        """This sandbox's events (or commands), oldest first."""
+        return self._loop.run(self._sb.events(commands=commands))
+
     def pause(self) -> None:
         """Freeze."""
         self._loop.run(self._sb.pause())
@@ -229,6 +233,10 @@ class SyncClient:
     def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         return self._loop.run(self._client.images())
+
+    def events(self, sandbox_id: str | None = None, **kw: Any) -> list[Any]:
+        """The event log (see Client.events)."""
+        return self._loop.run(self._client.events(sandbox_id, **kw))
 
     def run_code(self, code: str, language: str = "python", **kw: Any) -> Any:
         """Run a snippet on the fncall backend."""

@@ -16,6 +16,7 @@ from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
 
 if TYPE_CHECKING:
+    from shoal.node.events import SandboxEvent
     from shoal.spec import SandboxSpec
 
 #: a command: a shell string (run with bash -c) or an argv list
@@ -116,6 +117,13 @@ class Transport(ABC):
         from shoal.errors import NotImplementedYet
 
         raise NotImplementedYet("listing images is not available on this transport")
+
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
+                     since: float | None = None, limit: int = 200) -> list[SandboxEvent]:
+        """A sandbox's events (or its commands), or the newest events of every visible sandbox."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("events are not available on this transport")
 
     async def run_code(self, code: str, **kw: Any) -> Any:
         """Run a snippet on the fncall backend."""

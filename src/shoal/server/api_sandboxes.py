@@ -68,8 +68,14 @@ def _owner(st: ServerState, who: Principal, project: str) -> Principal:
 async def _create_one(st: ServerState, spec: SandboxSpec) -> SandboxInfo:
     async with st.create_sem:
         t0 = time.perf_counter()
-        info = await st.node.create(spec)
-    st.metrics.create_seconds.labels(spec.backend).observe(time.perf_counter() - t0)
+        try:
+            info = await st.node.create(spec)
+        except Exception:
+            st.view.live.observe_create(time.perf_counter() - t0, ok=False)
+            raise
+    dt = time.perf_counter() - t0
+    st.metrics.create_seconds.labels(spec.backend).observe(dt)
+    st.view.live.observe_create(dt)
     return info
 
 
@@ -217,6 +223,7 @@ async def exec_command(sandbox_id: SidPath, body: ExecIn, request: Request, who:
     r = await st.node.exec(sandbox_id, body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env,
                            user=body.user, stdin=stdin, max_output=body.max_output)
     st.metrics.exec_seconds.labels("exec").observe(time.perf_counter() - t0)
+    st.view.live.observe_exec(time.perf_counter() - t0)
     return _exec_response(r)
 
 
@@ -289,6 +296,7 @@ async def run_in_shell(sandbox_id: SidPath, shell_id: ShellId, body: ShellRunIn,
     t0 = time.perf_counter()
     r = await st.node.shell_run(sandbox_id, shell_id, body.cmd, timeout=body.timeout, max_output=body.max_output)
     st.metrics.exec_seconds.labels("shell").observe(time.perf_counter() - t0)
+    st.view.live.observe_exec(time.perf_counter() - t0)
     return _exec_response(r)
 
 

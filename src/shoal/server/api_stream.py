@@ -170,7 +170,7 @@ async def stream(ws: WebSocket, sandbox_id: str) -> None:
     await ws.accept()
     t0 = time.perf_counter()
     try:
-        who = st.authenticate(ws.headers.get("authorization"))
+        who = st.authenticate_ws(ws.headers.get("authorization"), ws.query_params.get("ticket"))
         async with st.limiter.slot(who.token_id):
             h = await _start(ws, st, sandbox_id, who)
             await ws.send_json({"type": "started"})
@@ -180,6 +180,7 @@ async def stream(ws: WebSocket, sandbox_id: str) -> None:
             await _send_error(ws, problem)
             return
         st.metrics.exec_seconds.labels("stream").observe(time.perf_counter() - t0)
+        st.view.live.observe_exec(time.perf_counter() - t0)
         with contextlib.suppress(Exception):
             await ws.close(code=1000)
     except WebSocketDisconnect:

@@ -26,7 +26,7 @@ from shoal import __version__
 from shoal.errors import CapacityExceeded, ShoalError
 from shoal.node.node import Node
 from shoal.node.records import list_records
-from shoal.server import api_images, api_sandboxes, api_stream
+from shoal.server import api_images, api_observe, api_sandboxes, api_stream, ui
 from shoal.server.deps import ServerState, authorized, require_admin, state_of
 from shoal.server.limits import BodyGuard, TokenLimiter
 from shoal.server.metrics import Metrics
@@ -234,15 +234,20 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
     state = ServerState(node=node, settings=settings, tokens=tokens, quotas=quotas,
                         limiter=limiter, metrics=Metrics(node, limiter),
                         create_sem=asyncio.Semaphore(max(1, settings.create_concurrency)))
+    from shoal.server.observe import view_for
+
+    state.view = view_for(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_node:
             await node.start()
         state.quotas.refresh()
+        await state.view.start()
         try:
             yield
         finally:
+            await state.view.stop()
             if manage_node:
                 # crash-only: sandboxes keep running; the next server re-adopts them
                 await node.stop()
@@ -256,10 +261,12 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
                   responses={400: MALFORMED_HTTP})
     app.state.shoal = state
     _install_handlers(app)
+    app.include_router(api_observe.router)  # first: /v1/sandboxes/page is not a sandbox ID
     app.include_router(api_sandboxes.router)
     app.include_router(api_images.router)
     app.include_router(api_stream.router)
     _system_routes(app)
+    ui.mount(app)
     _include_fusion(app)
     app.add_middleware(CrashGuard)
     app.add_middleware(BodyGuard, settings=settings)
@@ -284,10 +291,16 @@ def _system_routes(app: FastAPI) -> None:
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}, **errors(403)})
     async def metrics(request: Request, who: Principal = Depends(authorized)) -> Response:
-        """Sandboxes by state, create/exec latency histograms, errors by code (admin tokens)."""
+        """Sandboxes by state, memory, create/exec latency histograms, events and errors by kind (admin tokens).
+        A cluster gateway answers for every node (a `node` label) plus cluster totals."""
         require_admin(who, "reading node metrics")
         st = state_of(request)
-        data = await asyncio.to_thread(generate_latest, st.metrics.registry)
+        if st.view.kind == "cluster":
+            from shoal.server.metrics import cluster_metrics
+
+            data = await cluster_metrics(st.view, st.metrics.registry)
+        else:
+            data = await asyncio.to_thread(generate_latest, st.metrics.registry)
         return Response(content=data, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -4,8 +4,9 @@ project-scoped image names map onto the shared store."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, Request
@@ -45,6 +46,10 @@ class ServerState:
     limiter: TokenLimiter
     metrics: Metrics
     create_sem: asyncio.Semaphore  # bounds sandboxes created at once by this server
+    #: what the dashboard and `shoal top` read (shoal.server.observe), set by create_app
+    view: Any = None
+    #: one-time WebSocket tickets (api_observe.ws_ticket): ticket -> (principal, monotonic expiry)
+    tickets: dict[str, tuple[Principal, float]] = field(default_factory=dict)
 
     def auth_required(self) -> bool:
         """Tokens are required once any exists, unless the server runs with --no-auth."""
@@ -64,6 +69,16 @@ class ServerState:
         if who is None:
             raise Unauthorized("unknown or revoked API token: check SHOAL_TOKEN, or ask for a new one")
         return who
+
+
+    def authenticate_ws(self, authorization: str | None, ticket: str | None) -> Principal:
+        """The caller of a WebSocket: its Authorization header, or a one-time ticket (browsers)."""
+        if authorization or not ticket or not self.auth_required():
+            return self.authenticate(authorization)
+        got = self.tickets.pop(ticket, None)
+        if got is None or got[1] < time.monotonic():
+            raise Unauthorized("unknown or expired WebSocket ticket: ask POST /v1/ui/ticket for a new one")
+        return got[0]
 
 
 def state_of(request: Any) -> ServerState:
