@@ -17,6 +17,8 @@ APT_PACKAGES=(
   moosefs-master moosefs-chunkserver moosefs-client
   # microVM / VM backends (guest kernel comes from Debian's package, never from elsewhere)
   qemu-system-x86 qemu-utils busybox-static cpio linux-image-amd64
+  # the dashboard's browser tests (headless, driven by Playwright or Selenium; no browser is downloaded)
+  chromium chromium-driver
 )
 
 if [ "$(id -u)" != 0 ]; then

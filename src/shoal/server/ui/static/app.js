@@ -290,8 +290,11 @@ function commandTable(cmds) {
 
 function wireActions(id, info) {
   const enc = encodeURIComponent(id);
-  const act = async (label, fn) => {
-    try { await fn(); toast(label + " done"); pageSandbox(id); } catch (e) { toast(e.message, true); }
+  const act = async (label, fn, reload = true) => {
+    try {
+      await fn(); toast(label + " done");
+      if (reload) { clearPage(); await pageSandbox(id); }
+    } catch (e) { toast(e.message, true); }
   };
   $("#a-pause").onclick = () => confirm(`Pause ${id}? Its processes freeze and its memory is reclaimed.`) &&
     act("pause", () => api("POST", `/v1/sandboxes/${enc}/pause`));
@@ -301,7 +304,7 @@ function wireActions(id, info) {
     if (name) act("snapshot", async () => { const r = await api("POST", `/v1/sandboxes/${enc}/snapshot`, {name}); toast("image " + (r.ref || r.name)); });
   };
   $("#a-close").onclick = () => confirm(`Close ${id}? It is destroyed with everything in it.`) &&
-    act("close", async () => { await api("DELETE", `/v1/sandboxes/${enc}`); location.hash = "#/sandboxes"; });
+    act("close", async () => { await api("DELETE", `/v1/sandboxes/${enc}`); location.hash = "#/sandboxes"; }, false);
   $("#a-term").onclick = () => openTerminal(id);
 }
 
