@@ -228,12 +228,10 @@ class ContainerBackend(Backend):
             gf = self.guestfs
             gf.ensure()
             cfg = build_config(
-                rootfs=str(rootfs), guest_dir=str(gf.agent_dir), hostname=spec.hostname or "sandbox",
+                rootfs=str(rootfs), hostname=spec.hostname or "sandbox",
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
-                empty_dir=str(gf.empty_dir), empty_file=str(gf.empty_file),
-                proc_files={"/proc/cmdline": str(gf.cmdline),
-                            "/proc/meminfo": str(gf.meminfo(spec.memory_mb, swap_mb))},
+                proc_binds=rt.proc_binds, **gf.config_args(spec.memory_mb, swap_mb),
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()

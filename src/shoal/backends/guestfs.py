@@ -26,6 +26,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from shoal.config import Paths
 from shoal.fsutil import sha256_file
@@ -57,9 +58,11 @@ def meminfo_text(memory_mb: int, swap_mb: int | None = None) -> str:
 class GuestFiles:
     """The tmpfs at `$SHOAL_HOME/guestfs` and the files in it (see the module docstring)."""
 
-    def __init__(self, paths: Paths, agent_src: Path) -> None:
+    def __init__(self, paths: Paths, agent_src: Path, root: Path | None = None, tmpfs: bool = True) -> None:
         self.paths = paths
-        self.root = paths.home / "guestfs"
+        #: (another root without a tmpfs: the runtime probe's own copy, see shoal.backends.runtime)
+        self.root = root or paths.home / "guestfs"
+        self.tmpfs = tmpfs
         self.agent_src = Path(agent_src)
         self._ready = False
         self._meminfo: set[str] = set()
@@ -100,7 +103,7 @@ class GuestFiles:
             return
         with self._lock():
             self.root.mkdir(parents=True, exist_ok=True)
-            if not syscalls.is_mountpoint(str(self.root)):
+            if self.tmpfs and not syscalls.is_mountpoint(str(self.root)):
                 try:
                     syscalls.mount("tmpfs", str(self.root), "tmpfs",
                                    syscalls.MS_NOSUID | syscalls.MS_NODEV, _TMPFS_OPTS)
@@ -126,6 +129,14 @@ class GuestFiles:
         shutil.copy2(src, tmp)
         os.chmod(tmp, 0o755)
         os.rename(tmp, dst)
+
+    def config_args(self, memory_mb: int, swap_mb: int | None = None) -> dict[str, Any]:
+        """build_config's arguments naming these files: the agent, the masks and the virtual /proc files of
+        a sandbox of this size (one place, so the runtime probe tries the config every create uses)."""
+        return {"guest_dir": str(self.agent_dir), "empty_dir": str(self.empty_dir),
+                "empty_file": str(self.empty_file),
+                "proc_files": {"/proc/cmdline": str(self.cmdline),
+                               "/proc/meminfo": str(self.meminfo(memory_mb, swap_mb))}}
 
     def proxy_resolv(self) -> Path:
         """The resolv.conf of sandboxes with an egress allowlist: the node's DNS proxy on the bridge."""

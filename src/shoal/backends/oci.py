@@ -80,11 +80,15 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  agent_args: list[str] | None = None, seccomp: bool = True,
                  swap_mb: int | None = None, mntns_path: str | None = None,
                  empty_dir: str | None = None, empty_file: str | None = None,
-                 proc_files: dict[str, str] | None = None) -> dict[str, Any]:
+                 proc_files: dict[str, str] | None = None,
+                 proc_binds: frozenset[str] | None = None) -> dict[str, Any]:
     """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3.
 
     `empty_dir`/`empty_file` mask paths by a read-only bind instead of the runtime's own masks (a tmpfs
-    per directory, /dev/null per file); `proc_files` binds files over /proc entries (VIRTUAL_PROC_FILES)."""
+    per directory, /dev/null per file); `proc_files` binds files over /proc entries (VIRTUAL_PROC_FILES).
+    `proc_binds` names the /proc entries the runtime lets a bind cover (None: any; see
+    OciRuntime.proc_binds): the other /proc masks are left to the runtime's own maskedPaths, and an
+    empty `proc_files` entry it refuses is masked the same way (its content is the same: nothing)."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
     resources: dict[str, Any] = {
@@ -124,23 +128,31 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     if resolv_conf:
         mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf,
                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
-    masked = MASKED_PATHS
+    def bindable(p: str) -> bool:
+        return proc_binds is None or not p.startswith("/proc/") or p in proc_binds
+
+    masked = list(MASKED_PATHS)
     if empty_dir:
         # Runtimes mask a directory with a fresh read-only tmpfs: one more superblock per sandbox, and the
         # kernel gives every memory cgroup per-superblock shrinker state for the most superblocks the host
         # ever had at once (~1 KiB per 64 of them, per cgroup): O(n^2) memory for n sandboxes. A read-only
         # bind of an empty directory hides it the same way without a superblock.
-        dirs = _masked_dirs()
+        dirs = [p for p in _masked_dirs() if bindable(p)]
         mounts += [{"destination": p, "type": "bind", "source": empty_dir,
                     "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]} for p in dirs]
         masked = [p for p in MASKED_PATHS if p not in dirs]
     if empty_file:
         # (the runtime binds the host's /dev/null, whose devtmpfs mount options show the host's RAM)
-        files = [p for p in masked if p in _masked_files()]
+        files = [p for p in masked if p in _masked_files() and bindable(p)]
         mounts += [{"destination": p, "type": "bind", "source": empty_file,
                     "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for p in files]
         masked = [p for p in masked if p not in files]
     for dst, src in (proc_files or {}).items():
+        if not bindable(dst):
+            if os.path.getsize(src):
+                raise ValueError(f"the runtime cannot bind {dst}, and {src} is not empty: no mask can replace it")
+            masked.append(dst)
+            continue
         mounts.append({"destination": dst, "type": "bind", "source": src,
                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
     # raw sockets are for networked sandboxes (ping, traceroute, packet tools); with only a loopback
@@ -173,7 +185,8 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     return {
         "ociVersion": "1.0.2",
         "process": process,
-        "root": {"path": rootfs, "readonly": False},
+        # a real path: runc refuses a root with a symlink in it (sandbox directories are links to a tmpfs)
+        "root": {"path": os.path.realpath(rootfs), "readonly": False},
         "hostname": hostname,
         "mounts": mounts,
         "linux": linux,

@@ -2,20 +2,25 @@
 
 crun is preferred (a C program: starts a container several times faster than runc), but refuses hosts
 with hybrid cgroups unless the hugetlb v1 hierarchy is mounted; runc works there. Whether a runtime
-works is *probed* (a real tiny container), never assumed, and cached per boot.
+works is *probed* (a real tiny sandbox, started the way a create starts one), never assumed, and cached
+per boot.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from shoal.config import Paths, settings
 from shoal.errors import BackendUnavailable, SandboxError
@@ -97,6 +102,9 @@ class RuntimeStatus:
     version: str = ""
     reason: str = ""
     fix: str = ""
+    #: the runtime itself runs a plain container on this host; works=False with host_ok=True means
+    #: shoal cannot drive a runtime the host runs (a shoal bug, not a host limitation)
+    host_ok: bool = True
 
 
 class OciRuntime:
@@ -109,6 +117,9 @@ class OciRuntime:
     overlay_helper = False
     #: `kill --all` exists
     kill_all = True
+    #: the /proc entries a bind mount may cover (None: any); the node masks the others with the runtime's
+    #: own maskedPaths instead (see shoal.backends.oci.build_config)
+    proc_binds: frozenset[str] | None = None
 
     def __init__(self, name: str, binary: str) -> None:
         self.name = name
@@ -197,6 +208,14 @@ class RuncRuntime(OciRuntime):
 
     sealed = True
     overlay_helper = True
+    # runc refuses a mount whose destination is inside /proc ("cannot be mounted because it is inside
+    # /proc") except over the files LXCFS emulates. The other /proc masks go to maskedPaths, which runc
+    # fills from the sandbox's own /dev/null (a node on its /dev tmpfs: no host facts in mountinfo, unlike
+    # crun's bind of the host's devtmpfs one) and a read-only tmpfs per directory (one more superblock
+    # per sandbox for each masked /proc directory the host has; crun shares one bound empty directory).
+    # (Checked on runc 1.1.5; /proc/net/dev, also on runc's list, is refused: it resolves through /proc/net.)
+    proc_binds = frozenset({"/proc/cpuinfo", "/proc/diskstats", "/proc/meminfo", "/proc/stat", "/proc/swaps",
+                            "/proc/uptime", "/proc/loadavg", "/proc/slabinfo"})
 
 
 class GvisorRuntime(OciRuntime):
@@ -212,17 +231,21 @@ class GvisorRuntime(OciRuntime):
         return args
 
 
+#: what a probe checks; a cached result of an older probe is not trusted (probed again)
+_PROBE_VERSION = 2
+
+
 def _probe_key() -> str:
     # a probe stays valid until reboot or until the cgroup mounts change
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "?"
-    return f"{boot}|{cgroups.cgroup_mode()}|{','.join(sorted(cgroups.v1_controllers()))}"
+    return f"v{_PROBE_VERSION}|{boot}|{cgroups.cgroup_mode()}|{','.join(sorted(cgroups.v1_controllers()))}"
 
 
 def probe_runtimes(paths: Paths, agent_bin: Path, refresh: bool = False) -> dict[str, RuntimeStatus]:
-    """Probe crun, runc and runsc with a real minimal container; cached in $SHOAL_HOME/run."""
+    """Probe crun, runc and runsc with a real minimal sandbox; cached in $SHOAL_HOME/run."""
     cache = paths.run / "runtime-probe.json"
     key = _probe_key()
     if not refresh:
@@ -245,17 +268,90 @@ def _probe_one(name: str, paths: Paths, agent_bin: Path) -> RuntimeStatus:
     entry = RUNTIMES[name]
     binary = shutil.which(entry.binary)
     if not binary:
-        return RuntimeStatus(name, None, False, reason=f"{entry.binary} not found on PATH", fix=entry.install)
+        return RuntimeStatus(name, None, False, reason=f"{entry.binary} not found on PATH", fix=entry.install,
+                             host_ok=False)
     ver = run_sync([binary, "--version"], timeout=10).stdout.decode(errors="replace").splitlines()
     version = ver[0] if ver else ""
     if os.geteuid() != 0:
-        return RuntimeStatus(name, binary, False, version, "not root", "run shoal as root")
+        return RuntimeStatus(name, binary, False, version, "not root", "run shoal as root", host_ok=False)
     if not agent_bin.exists():
-        return RuntimeStatus(name, binary, False, version, f"agent binary {agent_bin} missing", "make agent")
+        return RuntimeStatus(name, binary, False, version, f"agent binary {agent_bin} missing", "make agent",
+                             host_ok=False)
+    rt = make_runtime(name, binary)
+    err = _probe_sandbox(rt, paths, agent_bin)
+    if err is None:
+        return RuntimeStatus(name, binary, True, version)
+    # the runtime cannot start a sandbox as shoal makes them: does it run a plain container here at all?
+    plain = _probe_plain(rt, paths, agent_bin)
+    if plain is None:
+        return RuntimeStatus(name, binary, False, version, f"runs a plain container but not shoal's sandbox: {err}",
+                             "a shoal bug (the sandbox config or the way shoal runs this runtime): please "
+                             "report it with this reason", host_ok=True)
+    fix = ""
+    if name == "crun" and cgroups.cgroup_mode() == "hybrid":
+        fix = ("mount the hugetlb v1 hierarchy: `shoal doctor --fix` (runs "
+               "mkdir -p /sys/fs/cgroup/hugetlb && mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb)")
+    return RuntimeStatus(name, binary, False, version, plain, fix, host_ok=False)
+
+
+def _error_line(out: bytes, returncode: int) -> str:
+    # the line that says what went wrong: runc and crun end with it, runsc puts it before its usage text
+    lines = [ln.strip() for ln in out.decode(errors="replace").splitlines() if ln.strip()]
+    marked = [ln for ln in lines if "error" in ln.lower() or "not defined" in ln or "cannot" in ln]
+    return (marked or lines or [f"exit {returncode}"])[-1]
+
+
+def _run_on_own_loop(coro: Any) -> Any:
+    # the probe is synchronous and may be called on an event loop's thread (the first create): the runtime
+    # call runs on a loop of its own in another thread
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _probe_sandbox(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
+    """Start a sandbox the way ContainerBackend.create does (same config builder, masks and /proc files,
+    a bundle reached through a symlink, `run_detached` with a socket as fd 3); the agent only prints its
+    version. None when it started, else the runtime's error."""
+    from shoal.backends.guestfs import GuestFiles
+    from shoal.backends.oci import build_config, render_config
+
+    paths.run.mkdir(parents=True, exist_ok=True)
+    cid = f"shoal-probe-{os.getpid()}-{rt.name}"
+    cg_parent = f"/shoal-probe-{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=paths.run) as tmp:
+        # sandbox directories are symlinks into a tmpfs (shoal.node.volatile): the bundle is reached the same way
+        bundle = Path(tmp) / "link"
+        (Path(tmp) / "dir").mkdir()
+        os.symlink("dir", bundle)
+        (bundle / "rootfs" / ".shoal").mkdir(parents=True)
+        gf = GuestFiles(paths, agent_bin, root=Path(tmp) / "guest", tmpfs=False)
+        gf.ensure()
+        cfg = build_config(rootfs=str(bundle / "rootfs"), hostname="probe", env={"PATH": "/"}, cwd="/",
+                           cgroups_path=f"{cg_parent}/{rt.name}", cpus=1, memory_mb=64, pids=16,
+                           proc_binds=rt.proc_binds, **gf.config_args(64))
+        cfg["process"]["args"] = ["/.shoal/shoal-agent", "--version"]
+        (bundle / "config.json").write_text(render_config(cfg))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            r = _run_on_own_loop(rt.run_detached(bundle, cid, sock.fileno(), pid_file=bundle / "init.pid"))
+        finally:
+            sock.close()
+            run_sync([rt.binary, *rt.global_args, "delete", "--force", cid], timeout=30)
+            # a cgroup parent of this process's own: node agents starting together (a cluster's, on one host)
+            # probe at the same moment, and removing a shared parent may pull another's probe cgroup away
+            # before its container joins it (that runtime would then look unusable to that node)
+            cgroups.remove_tree(cg_parent)
+    return None if r.returncode == 0 else _error_line(r.stderr or r.stdout, r.returncode)
+
+
+def _probe_plain(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
+    """Run a plain container (no masks, no /proc files, the runtime's own `run`): None when the runtime
+    works on this host at all, else its error."""
     from shoal.backends.oci import build_config
 
-    rt = make_runtime(name, binary)
     paths.run.mkdir(parents=True, exist_ok=True)
+    cid = f"shoal-probe-{os.getpid()}-{rt.name}"
+    cg_parent = f"/shoal-probe-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="probe-", dir=paths.run) as tmp:
         bundle = Path(tmp)
         rootfs = bundle / "rootfs"
@@ -264,26 +360,13 @@ def _probe_one(name: str, paths: Paths, agent_bin: Path) -> RuntimeStatus:
         guest.mkdir()
         shutil.copy2(agent_bin, guest / "shoal-agent")
         cfg = build_config(rootfs=str(rootfs), guest_dir=str(guest), hostname="probe", env={"PATH": "/"},
-                           cwd="/", cgroups_path=f"/shoal-probe-{os.getpid()}/{name}", cpus=1, memory_mb=64,
-                           pids=16)
+                           cwd="/", cgroups_path=f"{cg_parent}/{rt.name}", cpus=1, memory_mb=64, pids=16)
         cfg["process"]["args"] = ["/.shoal/shoal-agent", "--version"]
         (bundle / "config.json").write_text(json.dumps(cfg))
-        cid = f"shoal-probe-{os.getpid()}-{name}"
-        r = run_sync([binary, *rt.global_args, "run", "--bundle", str(bundle), cid], timeout=60)
-        run_sync([binary, *rt.global_args, "delete", "--force", cid], timeout=30)
-        # a cgroup parent of this process's own: node agents starting together (a cluster's, on one host)
-        # probe at the same moment, and removing a shared parent may pull another's probe cgroup away
-        # before its container joins it (that runtime would then look unusable to that node)
-        cgroups.remove_tree(f"/shoal-probe-{os.getpid()}")
-    if r.returncode == 0:
-        return RuntimeStatus(name, binary, True, version)
-    err = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()
-    reason = err[-1] if err else f"exit {r.returncode}"
-    fix = ""
-    if name == "crun" and cgroups.cgroup_mode() == "hybrid":
-        fix = ("mount the hugetlb v1 hierarchy: `shoal doctor --fix` (runs "
-               "mkdir -p /sys/fs/cgroup/hugetlb && mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb)")
-    return RuntimeStatus(name, binary, False, version, reason, fix)
+        r = run_sync([rt.binary, *rt.global_args, "run", "--bundle", str(bundle), cid], timeout=60)
+        run_sync([rt.binary, *rt.global_args, "delete", "--force", cid], timeout=30)
+        cgroups.remove_tree(cg_parent)
+    return None if r.returncode == 0 else _error_line(r.stderr or r.stdout, r.returncode)
 
 
 def pick_runtime(statuses: dict[str, RuntimeStatus], preference: str | None) -> OciRuntime:
