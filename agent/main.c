@@ -229,10 +229,31 @@ static int listen_path(const char *path)
 	if (fd < 0)
 		return -1;
 	unlink(tmp);
-	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0 ||
-	    rename(tmp, path) < 0) {
+	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0) {
 		int e = errno;
 		unlink(tmp);
+		close(fd);
+		errno = e;
+		return -1;
+	}
+	if (rename(tmp, path) == 0)
+		return fd;
+	/* gVisor cannot rename a socket its gofer made on the host (EPERM): bind PATH itself; the
+	 * host then retries a refused connect until the listen below has happened. */
+	int e = errno;
+	unlink(tmp);
+	close(fd);
+	if (e != EPERM && e != EXDEV && e != ENOTSUP) {
+		errno = e;
+		return -1;
+	}
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -1;
+	strcpy(a.sun_path, path);
+	unlink(path);
+	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0) {
+		e = errno;
 		close(fd);
 		errno = e;
 		return -1;

@@ -9,6 +9,8 @@ APT_PACKAGES=(
   gcc make libc6-dev python3 python3-venv python3-dev
   # container sandboxes
   crun runc iproute2 nftables kmod util-linux
+  # gVisor, the stronger runtime option (runtime="gvisor"; Debian 12 packages a 2022 build)
+  runsc
   # image store
   erofs-utils mmdebstrap skopeo zstd e2fsprogs btrfs-progs
   # a loopback registry for the image-import tests (never started as a service)

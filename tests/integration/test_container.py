@@ -21,6 +21,24 @@ from tests.waiting import async_wait_for
 pytestmark = [pytest.mark.root]
 
 
+def _gvisor() -> bool:
+    """This run's default runtime is gVisor (`SHOAL_RUNTIME=gvisor`: the whole module under runsc)."""
+    from shoal.config import settings
+
+    return settings().runtime == "gvisor"
+
+
+def _gvisor_without_cgroups() -> bool:
+    from shoal.host import cgroups
+
+    return _gvisor() and cgroups.cgroup_mode() != "v2"
+
+
+# Differences of gVisor (Debian 12's 2022 runsc, ptrace platform), each explained in docs/security.md
+NO_CGROUP_LIMITS = ("gVisor on a hybrid cgroup host runs with --ignore-cgroups: the host enforces no memory or "
+                    "pids limit (gVisor's own accounting is all there is)")
+
+
 def _mounts_under(prefix: str) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         return [ln.split()[4] for ln in f if ln.split()[4].startswith(prefix)]
@@ -76,6 +94,8 @@ async def test_isolation(any_client: shoal.Client, tmp_path: Path) -> None:
 
 
 async def test_fork_bomb_contained_by_pids_limit(any_client: shoal.Client) -> None:
+    if _gvisor_without_cgroups():
+        pytest.skip(NO_CGROUP_LIMITS)
     sb = await any_client.create("base", pids=64)
     r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 30", timeout=3)
     assert r.timed_out
@@ -94,6 +114,8 @@ async def test_fork_bomb_contained_by_pids_limit(any_client: shoal.Client) -> No
 
 
 async def test_memory_hog_is_oom_killed_agent_lives(any_client: shoal.Client) -> None:
+    if _gvisor_without_cgroups():
+        pytest.skip(NO_CGROUP_LIMITS)
     sb = await any_client.create("base", memory_mb=64)
     r = await sb.exec(["python3", "-c", "b = bytearray(512 * 2**20); print(len(b))"], timeout=60)
     assert r.exit_code == 137 and r.signal == 9, r
@@ -141,8 +163,9 @@ async def test_security_defaults(any_client: shoal.Client) -> None:
     sb = await any_client.create("base", hostname="box1")
     status = (await sb.exec("cat /proc/self/status")).stdout.decode()
     fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-    assert fields["NoNewPrivs"].strip() == "1"
-    assert fields["Seccomp"].strip() == "2"
+    if not _gvisor():  # gVisor's /proc/self/status has neither field: its sentry is the syscall filter
+        assert fields["NoNewPrivs"].strip() == "1"
+        assert fields["Seccomp"].strip() == "2"
     cap_eff = int(fields["CapEff"].strip(), 16)
     assert not cap_eff >> 21 & 1, "CAP_SYS_ADMIN must not be granted"
     assert not cap_eff >> 19 & 1, "CAP_SYS_PTRACE must not be granted"
@@ -153,7 +176,8 @@ async def test_security_defaults(any_client: shoal.Client) -> None:
     assert (await sb.exec("head -c1 /proc/kpagecgroup | wc -c")).stdout.strip() == b"0"
     assert (await sb.exec("echo b > /proc/sysrq-trigger")).exit_code != 0
     assert (await sb.exec("mount -t tmpfs x /mnt")).exit_code != 0
-    assert (await sb.exec("unshare -U true")).exit_code != 0
+    if not _gvisor():  # gVisor implements user namespaces in its own kernel: no host surface behind them
+        assert (await sb.exec("unshare -U true")).exit_code != 0
 
 
 async def test_network_off_by_default_and_on_request(client: shoal.Client) -> None:
@@ -162,7 +186,8 @@ async def test_network_off_by_default_and_on_request(client: shoal.Client) -> No
     off = await client.create("base")
     r = await off.exec(probe, timeout=30)
     assert r.exit_code != 0
-    assert (await off.exec("cat /sys/class/net/*/operstate | wc -l")).stdout.strip() == b"1"  # only lo
+    # only lo (counted in /proc/net/dev: gVisor's /sys has no class/net)
+    assert (await off.exec("tail -n +3 /proc/net/dev | wc -l")).stdout.strip() == b"1"
     on = await client.create("base", network=True)
     r = await on.exec(probe, timeout=30)
     assert r.stdout.strip() == b"ok", r.stderr
@@ -179,6 +204,9 @@ async def test_disk_limit(any_client: shoal.Client) -> None:
     r = await sb.exec("dd if=/dev/zero of=/root/big bs=1M count=64")
     assert r.exit_code != 0
     assert b"quota" in r.stderr.lower() or b"space" in r.stderr.lower()
+    if _gvisor():
+        pytest.skip("the limit held; but gVisor's 2022 gofer answers EINVAL for the directory once the host "
+                    "said EDQUOT, so the file's size cannot be read from inside")
     size = int((await sb.exec("stat -c %s /root/big")).stdout)
     assert size <= 33 * 2**20
 

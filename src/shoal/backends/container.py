@@ -215,11 +215,18 @@ class ContainerBackend(Backend):
                 netns = await net.setup(rec, policy, spec.egress_mbps)
                 # an allowlist sandbox asks the node's DNS proxy (shoal.node.dnsproxy); the others the host's
                 resolv = str(self.guestfs.proxy_resolv() if policy is not None else net.resolv_conf())
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            listener.bind(str(sock_path))
-            listener.listen(64)
-            # the socket listens before the agent runs: connect and say hello now, while the runtime
-            # starts the container (the agent answers as soon as it is up)
+            run_dir = None
+            if rt.passes_fds:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                listener.bind(str(sock_path))
+                listener.listen(64)
+            else:
+                # the agent makes its socket in a directory of ours bound into the sandbox (gVisor)
+                run_dir = d / "run"
+                run_dir.mkdir(mode=0o700)
+                rec.extra["agent_sock"] = str(run_dir / "agent.sock")
+            # connect and say hello now, while the runtime starts the container (the agent answers as soon
+            # as it is up; a socket the agent makes itself is waited for)
             self._connecting[rec.id] = asyncio.ensure_future(self._connect(rec, 30.0))
             env = dict(image.config.env)
             env.update(spec.env)
@@ -232,10 +239,12 @@ class ContainerBackend(Backend):
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
                 proc_binds=rt.proc_binds, **gf.config_args(spec.memory_mb, swap_mb),
+                agent_run_dir=str(run_dir) if run_dir else None,
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()
-            r = await rt.run_detached(d, rec.cid, listener.fileno(), pid_file=d / "init.pid", overlay=overlay)
+            r = await rt.run_detached(d, rec.cid, listener.fileno() if listener else None, pid_file=d / "init.pid",
+                                      overlay=overlay, network=netns is not None)
             if r.returncode != 0:
                 msg = (r.stderr or r.stdout).decode(errors="replace").strip()
                 raise SandboxError(f"{rt.name} could not start the sandbox: {msg[-1500:]}")
@@ -257,12 +266,24 @@ class ContainerBackend(Backend):
             await self._drop_pending(rec.id)
             await self.destroy(rec)
             raise
-        listener.close()
+        if listener is not None:
+            listener.close()
 
     async def _connect(self, rec: SandboxRecord, timeout: float) -> AgentClient:
         from shoal.agentproto.client import AgentClient
 
-        return await AgentClient.connect_unix(str(rec.path / "agent.sock"), timeout=timeout)
+        own = rec.extra.get("agent_sock")
+        if not own:
+            return await AgentClient.connect_unix(str(rec.path / "agent.sock"), timeout=timeout)
+        # a socket the agent makes itself: it appears (and listens) a moment after the runtime starts it
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await AgentClient.connect_unix(own, timeout=max(0.1, deadline - time.monotonic()))
+            except SandboxError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.02)
 
     async def _drop_pending(self, sandbox_id: str) -> None:
         task = self._connecting.pop(sandbox_id, None)

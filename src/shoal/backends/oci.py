@@ -33,6 +33,9 @@ READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysr
 
 AGENT_DIR_IN_SANDBOX = "/.shoal"
 AGENT_PATH_IN_SANDBOX = "/.shoal/shoal-agent"
+#: where the agent listens when the runtime cannot pass it a socket (gVisor)
+AGENT_RUN_IN_SANDBOX = "/.shoal-run"
+AGENT_SOCKET_IN_SANDBOX = "/.shoal-run/agent.sock"
 
 
 def _nofile() -> int:
@@ -81,14 +84,17 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  swap_mb: int | None = None, mntns_path: str | None = None,
                  empty_dir: str | None = None, empty_file: str | None = None,
                  proc_files: dict[str, str] | None = None,
-                 proc_binds: frozenset[str] | None = None) -> dict[str, Any]:
+                 proc_binds: frozenset[str] | None = None,
+                 agent_run_dir: str | None = None) -> dict[str, Any]:
     """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3.
 
     `empty_dir`/`empty_file` mask paths by a read-only bind instead of the runtime's own masks (a tmpfs
     per directory, /dev/null per file); `proc_files` binds files over /proc entries (VIRTUAL_PROC_FILES).
     `proc_binds` names the /proc entries the runtime lets a bind cover (None: any; see
     OciRuntime.proc_binds): the other /proc masks are left to the runtime's own maskedPaths, and an
-    empty `proc_files` entry it refuses is masked the same way (its content is the same: nothing)."""
+    empty `proc_files` entry it refuses is masked the same way (its content is the same: nothing).
+    With `agent_run_dir` (a host directory, bound read-write at AGENT_RUN_IN_SANDBOX) the agent listens on a
+    socket there instead of fd 3 (runtimes that cannot hand it an fd)."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
     resources: dict[str, Any] = {
@@ -147,6 +153,9 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         mounts += [{"destination": p, "type": "bind", "source": empty_file,
                     "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for p in files]
         masked = [p for p in masked if p not in files]
+    if agent_run_dir:
+        mounts.append({"destination": AGENT_RUN_IN_SANDBOX, "type": "bind", "source": agent_run_dir,
+                       "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})
     for dst, src in (proc_files or {}).items():
         if not bindable(dst):
             if os.path.getsize(src):
@@ -161,8 +170,9 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     process: dict[str, Any] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},
-        "args": [AGENT_PATH_IN_SANDBOX, "--listen-fd", "3", "--child-oom-score-adj", str(SANDBOX_OOM_SCORE_ADJ),
-                 *(agent_args or [])],
+        "args": [AGENT_PATH_IN_SANDBOX,
+                 *(["--listen", AGENT_SOCKET_IN_SANDBOX] if agent_run_dir else ["--listen-fd", "3"]),
+                 "--child-oom-score-adj", str(SANDBOX_OOM_SCORE_ADJ), *(agent_args or [])],
         "env": [f"{k}={v}" for k, v in env.items()],
         "cwd": "/",
         "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted")},

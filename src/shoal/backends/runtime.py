@@ -115,6 +115,9 @@ class OciRuntime:
     sealed = False
     #: can run inside shoal's mount-namespace helper, which mounts the overlay (see shoal.host.mntns)
     overlay_helper = False
+    #: `run --preserve-fds` hands the agent its listening socket (else the agent listens on a path in a
+    #: directory bound into the sandbox, see ContainerBackend.create)
+    passes_fds = True
     #: `kill --all` exists
     kill_all = True
     #: the /proc entries a bind mount may cover (None: any); the node masks the others with the runtime's
@@ -142,7 +145,7 @@ class OciRuntime:
 
     async def run_detached(self, bundle: Path, cid: str, listen_fd: int | None,
                            pid_file: Path | None = None,
-                           overlay: tuple[str, str, str] | None = None) -> Completed:
+                           overlay: tuple[str, str, str] | None = None, network: bool = False) -> Completed:
         """Start the container in the background, handing `listen_fd` to it as fd 3. With `overlay` =
         (mntns helper, rootfs, mount options), the runtime runs in a fresh mount namespace holding that
         overlay on the rootfs (shoal.host.mntns)."""
@@ -219,9 +222,16 @@ class RuncRuntime(OciRuntime):
 
 
 class GvisorRuntime(OciRuntime):
-    """runsc (gVisor): a user-space kernel between the sandbox and the host, on the ptrace platform."""
+    """runsc (gVisor): a user-space kernel between the sandbox and the host, on the ptrace platform.
+
+    Debian 12's runsc (a 2022 build) has no `--preserve-fds`: the agent listens on a path in a host
+    directory bound into the sandbox, which `--host-uds=create` lets it create (the sandbox may create
+    host sockets there, never open one). Its network is none, or the host kernel's sockets inside the
+    sandbox's network namespace (see run_detached). On a hybrid cgroup host it runs with `--ignore-cgroups`: memory and
+    pids limits are then gVisor's own accounting, not the host's cgroups (docs/security.md)."""
 
     kill_all = False
+    passes_fds = False
 
     def default_global_args(self) -> list[str]:
         """The platform and cgroup mode on every call (ptrace works without KVM)."""
@@ -230,18 +240,62 @@ class GvisorRuntime(OciRuntime):
             args.append("--ignore-cgroups")
         return args
 
+    async def run_detached(self, bundle: Path, cid: str, listen_fd: int | None,
+                           pid_file: Path | None = None,
+                           overlay: tuple[str, str, str] | None = None, network: bool = False) -> Completed:
+        """`runsc run --detach`; its output goes to `bundle/runsc.log` (the sandbox keeps the runtime's
+        stdio open: a pipe read to its end would wait for the sandbox to exit)."""
+        # (a flag given twice: the last one counts) This runsc's own network stack cannot be used here: it
+        # takes any namespace where /proc/sys/net/core/rmem_default exists for the host's, and Linux >= 5.x
+        # shows it in every namespace ("cannot run with network enabled in root network namespace"). So it
+        # runs inside the sandbox's namespace (nsenter) with --network=host: the host kernel's sockets, in
+        # that namespace, behind the same bridge and nftables rules as crun's sandboxes.
+        args = [*self.global_args, "--host-uds=create", *(["--network=host"] if network else []),
+                "run", "--detach", "--bundle", str(bundle)]
+        if pid_file is not None:
+            args += ["--pid-file", str(pid_file)]
+        args.append(cid)
+        argv = [self.binary, *args]
+        if network:
+            ns = _netns_path(bundle)
+            if ns:
+                argv = ["nsenter", f"--net={ns}", "--", *argv]
+        log = bundle / "runsc.log"
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            r = await run(argv, fds={1: fd, 2: fd}, timeout=60)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            r.stderr = log.read_bytes()[-4000:]
+            log.unlink()
+        return r
+
+
+def _netns_path(bundle: Path) -> str | None:
+    """The network namespace path in a bundle's config.json (None: a new, empty one)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        for ns in json.loads((bundle / "config.json").read_text())["linux"]["namespaces"]:
+            if ns.get("type") == "network":
+                return ns.get("path")
+    return None
+
 
 #: what a probe checks; a cached result of an older probe is not trusted (probed again)
 _PROBE_VERSION = 2
 
 
 def _probe_key() -> str:
-    # a probe stays valid until reboot or until the cgroup mounts change
+    # a probe stays valid until reboot, until the cgroup mounts change or a runtime is (un)installed
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "?"
-    return f"v{_PROBE_VERSION}|{boot}|{cgroups.cgroup_mode()}|{','.join(sorted(cgroups.v1_controllers()))}"
+    from shoal.backends.registry import RUNTIMES
+
+    # an installed (or removed) runtime binary is probed again
+    found = ",".join(shutil.which(e.binary) or "-" for e in RUNTIMES.values())
+    return f"v{_PROBE_VERSION}|{boot}|{cgroups.cgroup_mode()}|{','.join(sorted(cgroups.v1_controllers()))}|{found}"
 
 
 def probe_runtimes(paths: Paths, agent_bin: Path, refresh: bool = False) -> dict[str, RuntimeStatus]:

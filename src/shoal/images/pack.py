@@ -24,8 +24,9 @@ from shoal.fsutil import tmp_name
 from shoal.images.erofs import build_erofs
 from shoal.images.store import ImageStore, Layer
 
-# Created by the OCI runtime as the agent's mountpoint; not part of the sandbox's own files.
-RUNTIME_ARTIFACTS = [".shoal"]
+# Created by the OCI runtime as the agent's mountpoints (its binary; its socket under gVisor); not part of
+# the sandbox's own files.
+RUNTIME_ARTIFACTS = [".shoal", ".shoal-run"]
 # Mountpoints the runtime creates when the image lacks them; nothing can be written beneath them.
 _RUNTIME_MOUNT_DIRS = ["proc", "sys", "dev"]
 OPAQUE_XATTR = "trusted.overlay.opaque"
