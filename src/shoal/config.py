@@ -521,6 +521,11 @@ class Settings:
                                       default_doc="/var/lib/shoal/store")
     fake_backend: bool = setting(False, "dev", "allow backend=\"fake\": NO isolation (plain processes of this "
                                  "user), for unit tests only", BOOL)
+    fault: str | None = setting(None, "dev", "crash the node (SIGKILL) at these steps of create and close: "
+                                "step[,step…], a glob (close.*) or random:P (shoal.node.faults; tests, soaks)",
+                                _optional(text(r"(random:(0(\.[0-9]+)?|1(\.0+)?)|[a-z.*?,]+)",
+                                               "steps like create.mount,close.*, or random:P with 0 <= P <= 1")),
+                                default_doc="never")
 
     #: where each value came from: "default", "file <path>", "env" or "argument" (not a setting)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

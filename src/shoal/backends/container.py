@@ -30,6 +30,7 @@ from shoal.host.oom import protect_agent
 from shoal.images.store import Image
 from shoal.node import cpuclass, disk_guard
 from shoal.node.disk import UpperPool
+from shoal.node.faults import crash_point
 from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
 from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
@@ -87,7 +88,8 @@ class ContainerBackend(Backend):
                                     "backend='microvm' or 'vm'",
         Capability.FORK_MEMORY: "containers fork their files only: fork(n) without memory=True (processes start "
                                 "again in the children); forking processes and memory needs backend='microvm' or 'vm' "
-                                "(CRIU fails on this kernel; gVisor checkpoint/restore is not driven by shoal yet)",
+                                "(CRIU fails on this kernel; Debian 12's runsc checkpoint cannot save the agent's "
+                                "host-backed socket and the sandbox dies: docs/security.md)",
         Capability.RESTORE: "create from the image a snapshot made (client.create(name)); memory snapshots "
                             "are restored by the VM backends",
     }
@@ -191,6 +193,7 @@ class ContainerBackend(Backend):
             rec.extra["projid"] = projid
             if projid:
                 self._ensure_guard()
+            crash_point("create.upper")
             lowers = self.layer_mounts.acquire(image.layers, rec.id)
             helper = await self._mntns_helper() if rt.overlay_helper else None
             # the sandbox can read the overlay's options in /proc/self/mountinfo: name its directories
@@ -207,6 +210,7 @@ class ContainerBackend(Backend):
                                    _overlay_opts(f"/proc/self/fd/{dfd}/{_OVL_LINKS}", len(lowers)))
                 finally:
                     os.close(dfd)
+            crash_point("create.mount")
             netns = None
             resolv = None
             if spec.network:
@@ -215,6 +219,7 @@ class ContainerBackend(Backend):
                 netns = await net.setup(rec, policy, spec.egress_mbps)
                 # an allowlist sandbox asks the node's DNS proxy (shoal.node.dnsproxy); the others the host's
                 resolv = str(self.guestfs.proxy_resolv() if policy is not None else net.resolv_conf())
+                crash_point("create.network")
             run_dir = None
             if rt.passes_fds:
                 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -252,6 +257,7 @@ class ContainerBackend(Backend):
             pid = int((d / "init.pid").read_text().strip())
             rec.init_pid = pid
             rec.init_start = proc_starttime(pid) or 0
+            crash_point("create.runtime")
             # the agent must outlive an OOM in its own sandbox: what it runs dies instead (shoal.host.oom)
             protect_agent(pid)
             # the runtime set cpus as quota and shares; the class adds burst, or makes the sandbox idle
@@ -327,6 +333,7 @@ class ContainerBackend(Backend):
         # a batch sandbox's cpu cgroup beside /shoal (empty once its killed processes are gone)
         if (rec.extra.get("cpu") or {}).get("cgroup") and not await asyncio.to_thread(cpuclass.forget, rec.id):
             errors.append(f"cpu cgroup /{cpuclass.BATCH_PARENT}/{rec.id} still has processes")
+        crash_point("close.runtime")
         rootfs = str(rec.path / "rootfs")
         # unmount what create() mounted, by path: scanning /proc/self/mountinfo costs time proportional
         # to every mount on the host; the scan is only the fallback when something unexpected is left
@@ -340,6 +347,7 @@ class ContainerBackend(Backend):
                 self.layer_mounts.release(rec.layers, rec.id)
             except OSError as e:
                 errors.append(f"release layers: {e}")
+        crash_point("close.unmounted")
         if rec.extra.get("upper"):
             try:
                 await asyncio.to_thread(self.upper_pool.release, rec.id, int(rec.extra.get("projid") or 0))
@@ -350,6 +358,7 @@ class ContainerBackend(Backend):
                 await self.ctx.network().teardown(rec)
             except Exception as e:
                 errors.append(f"network teardown: {e}")
+        crash_point("close.network")
         if syscalls.mount_root(rootfs) is not False and syscalls.mounts_under(rootfs):
             errors.append(f"{rootfs} is still mounted; leaving {rec.path} in place")
         elif os.path.islink(rec.path):

@@ -140,6 +140,7 @@ class GuestFiles:
 
     def proxy_resolv(self) -> Path:
         """The resolv.conf of sandboxes with an egress allowlist: the node's DNS proxy on the bridge."""
+        self.ensure()
         p = self.root / "resolv.proxy.conf"
         if not p.exists():
             from shoal.node.network import GATEWAY

@@ -234,7 +234,10 @@ class GvisorRuntime(OciRuntime):
     passes_fds = False
 
     def default_global_args(self) -> list[str]:
-        """The platform and cgroup mode on every call (ptrace works without KVM)."""
+        """The platform and cgroup mode on every call (ptrace works without KVM). shoal's seccomp profile is
+        not applied inside the sentry (--oci-seccomp broke a local HTTP server in the suite): what it
+        denies is host-kernel surface, and a gVisor sandbox's syscalls never reach the host kernel (its
+        io_uring, for one, is the sentry's own); the sentry runs under gVisor's own host filter."""
         args = ["--platform=ptrace", "--network=none"]
         if cgroups.cgroup_mode() != "v2":
             args.append("--ignore-cgroups")

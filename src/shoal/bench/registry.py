@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "compat": "shoal.bench.scenarios.compat",
     "cluster": "shoal.bench.scenarios.cluster",
     "store": "shoal.bench.scenarios.store",
+    "gvisor": "shoal.bench.scenarios.gvisor",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)

@@ -35,6 +35,7 @@ from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
 from shoal.node.context import NodeContext
 from shoal.node.dataplane import DataPlane
+from shoal.node.faults import crash_point
 from shoal.node.pool import WarmPool
 from shoal.node.records import SandboxRecord, check_sandbox_id, list_records
 from shoal.node.recovery import Recovery
@@ -266,6 +267,10 @@ class Node(DataPlane):
                 layers=[lay.hex for lay in image.layers], spec=_spec_dict(spec),
                 extra={"workdir": image.config.workdir, "user": image.config.user, **(extra or {})},
                 make_dir=backend.make_dir)
+            # saved before anything is made for it: whatever a crash leaves from here on belongs to a record
+            # naming a dead owner, which the next reconcile closes at once (shoal.node.faults)
+            rec.save()
+            crash_point("create.record")
             await backend.create(rec, spec, image)
             try:
                 client = await backend.connect(rec, timeout=30.0)
@@ -275,6 +280,7 @@ class Node(DataPlane):
                 if isinstance(e, ShoalError):
                     raise
                 raise SandboxError(f"sandbox {rec.id} started but its agent did not answer: {e}") from e
+            crash_point("create.connected")
         except BaseException:
             res.release()
             raise
@@ -381,6 +387,7 @@ class Node(DataPlane):
                 rec.save()
             if not rec.extra.get("pool"):
                 self.check_oom(rec, when="before close")
+            crash_point("close.stopping")
             try:
                 await self.backend(rec.backend).destroy(rec)
             finally:
