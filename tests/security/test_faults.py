@@ -93,3 +93,15 @@ def test_a_crash_at_each_step_leaves_nothing_after_gc(step: str, fault_home: Pat
         except (OSError, ValueError):
             continue
         assert not (isinstance(data, dict) and data.get("sandbox") in ids), f"lease {name} of {data} left"
+
+
+@pytest.mark.slow
+def test_small_soak_with_random_crashes(base_image: str) -> None:
+    """A few dozen create/close cycles while the node crashes at random steps (3% at each): the restarted
+    node (and a final gc) leave nothing. The 10,000-cycle run: `python -m shoal.bench.faultsoak`."""
+    from shoal.bench.faultsoak import soak
+
+    out = soak(cycles=30, p=0.03)
+    assert out["worker_errors"] == 0 and out["gc_exit"] == 0, out
+    assert out["crashes"] >= 1, out  # (0.97 ** 300: a run without a crash is a 1-in-10,000 event)
+    assert out["leaked"] == 0, out["leaks"]
