@@ -5,7 +5,7 @@ layer user (shoal.node.leaks). The crash hook is shoal.node.faults (SHOAL_FAULT=
 
 Each case runs in a private SHOAL_HOME with its own node id, so the checks see only what it made. The
 sandbox it creates has an egress allowlist, so the network steps make every kind of network state.
-The 10,000-cycle soak with random crashes is benchmarks/fault_soak.py (a small one runs here)."""
+The 10,000-cycle soak with random crashes is `python -m shoal.bench.faultsoak` (a small one runs here)."""
 
 from __future__ import annotations
 
