@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import socket
 import time
 from pathlib import Path
@@ -76,6 +77,50 @@ def _drop_overlay_links(links: Path) -> None:
         links.rmdir()
 
 
+async def kill_and_forget(rec: SandboxRecord, rt: OciRuntime, timeout: float = 5.0) -> bool:
+    """Tear a container down without spawning its runtime: SIGKILL its init through a pidfd (the kernel then
+    kills everything else in its pid namespace and the mount namespace holding its overlay goes with it),
+    wait for it to exit, and remove the runtime's state directory; the caller removes the cgroups.
+
+    `crun delete --force` does the same work plus a fork+exec of the runtime, which was a third of the
+    CPU a close cost (`shoal bench create`, closes interleaved). False when this cannot be done safely
+    (a runtime whose state shoal does not know, an init that is not ours): then the runtime deletes it."""
+    if rt.state_root is None or not rec.init_pid:
+        return False
+    state = rt.state_root / rec.cid
+    if not state.is_dir():
+        return False
+    if rec.init_alive():
+        if rec.cgroup:
+            # a frozen (paused) task cannot die of SIGKILL under the v1 freezer: thaw it first
+            cg = cgroups.SandboxCgroup(rec.cgroup)
+            if cg.mode == "v2":
+                cg.write("memory", "cgroup.freeze", "0")
+            else:
+                cg.write("freezer", "freezer.state", "THAWED")
+        try:
+            pidfd = os.pidfd_open(rec.init_pid)
+        except ProcessLookupError:
+            pidfd = -1
+        if pidfd >= 0:
+            try:
+                if rec.init_alive():  # the pidfd is for our init, not for a reused pid
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    loop = asyncio.get_running_loop()
+                    gone = loop.create_future()
+                    loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+                    try:
+                        await asyncio.wait_for(gone, timeout)
+                    except TimeoutError:
+                        return False
+                    finally:
+                        loop.remove_reader(pidfd)
+            finally:
+                os.close(pidfd)
+    shutil.rmtree(state, ignore_errors=True)
+    return True
+
+
 class ContainerBackend(Backend):
     """OCI containers with the shoal agent as PID 1."""
 
@@ -107,6 +152,8 @@ class ContainerBackend(Backend):
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
+        #: close by killing the init and removing the runtime's state ourselves (kill_and_forget)
+        self.fast_teardown = True
         self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
         #: the agent and the masking files, on a tmpfs of their own (see shoal.backends.guestfs)
         self.guestfs = GuestFiles(ctx.paths, ctx.agent_binary)
@@ -319,17 +366,20 @@ class ContainerBackend(Backend):
             try:
                 rt = make_runtime(rec.runtime, self.statuses[rec.runtime].binary or rec.runtime) \
                     if rec.runtime in self.statuses else self.runtime(None)
-                r = await rt.delete(rec.cid, force=True)
-                if r.returncode != 0 and await rt.state(rec.cid) is not None:
-                    errors.append(f"{rt.name} delete: {r.stderr.decode(errors='replace').strip()}")
+                if not (self.fast_teardown and await kill_and_forget(rec, rt)):
+                    r = await rt.delete(rec.cid, force=True)
+                    if r.returncode != 0 and await rt.state(rec.cid) is not None:
+                        errors.append(f"{rt.name} delete: {r.stderr.decode(errors='replace').strip()}")
             except Exception as e:  # keep cleaning the rest
                 errors.append(f"runtime delete: {e}")
         if rec.init_pid and rec.init_alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rec.init_pid, 9)
         if rec.cgroup and cgroups.exists_anywhere(rec.cgroup):
-            # the runtime's delete removed them already unless it failed
+            # the runtime's delete removed them already unless it failed (or was not asked: kill_and_forget)
             await asyncio.to_thread(cgroups.remove_tree, rec.cgroup)
+            if cgroups.exists_anywhere(rec.cgroup):
+                errors.append(f"cgroup {rec.cgroup} could not be removed")
         # a batch sandbox's cpu cgroup beside /shoal (empty once its killed processes are gone)
         if (rec.extra.get("cpu") or {}).get("cgroup") and not await asyncio.to_thread(cpuclass.forget, rec.id):
             errors.append(f"cpu cgroup /{cpuclass.BATCH_PARENT}/{rec.id} still has processes")

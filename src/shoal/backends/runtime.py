@@ -123,6 +123,8 @@ class OciRuntime:
     #: the /proc entries a bind mount may cover (None: any); the node masks the others with the runtime's
     #: own maskedPaths instead (see shoal.backends.oci.build_config)
     proc_binds: frozenset[str] | None = None
+    #: where the runtime keeps a container's state (root's default `--root`); None: only `delete` may remove it
+    state_root: Path | None = None
 
     def __init__(self, name: str, binary: str) -> None:
         self.name = name
@@ -204,6 +206,7 @@ class CrunRuntime(OciRuntime):
 
     sealed = True
     overlay_helper = True
+    state_root = Path("/run/crun")
 
 
 class RuncRuntime(OciRuntime):
@@ -219,6 +222,7 @@ class RuncRuntime(OciRuntime):
     # (Checked on runc 1.1.5; /proc/net/dev, also on runc's list, is refused: it resolves through /proc/net.)
     proc_binds = frozenset({"/proc/cpuinfo", "/proc/diskstats", "/proc/meminfo", "/proc/stat", "/proc/swaps",
                             "/proc/uptime", "/proc/loadavg", "/proc/slabinfo"})
+    state_root = Path("/run/runc")
 
 
 class GvisorRuntime(OciRuntime):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +117,21 @@ def exists_anywhere(rel_path: str) -> bool:
     return any((p / rel).is_dir() for p in CGROUP_ROOT.iterdir())
 
 
-def remove_tree(rel_path: str) -> None:
-    """Remove a (empty of processes) cgroup in every hierarchy; ignores what is already gone."""
+def _rmdir(path: str, wait_s: float) -> None:
+    # EBUSY while the last killed tasks are still leaving the cgroup: try again for a moment
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+
+
+def remove_tree(rel_path: str, wait_s: float = 1.0) -> None:
+    """Remove a cgroup (its processes gone or going) in every hierarchy; ignores what is already gone."""
     rel = rel_path.strip("/")
     roots = [CGROUP_ROOT] if cgroup_mode() == "v2" else [p for p in CGROUP_ROOT.iterdir() if p.is_dir()]
     for root in roots:
@@ -125,10 +140,8 @@ def remove_tree(rel_path: str) -> None:
             continue
         for sub, dirs, _ in os.walk(d, topdown=False):
             for name in dirs:
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(sub, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
+                _rmdir(os.path.join(sub, name), wait_s)
+        _rmdir(str(d), wait_s)
 
 
 def oom_kills(rel_path: str) -> int | None:
