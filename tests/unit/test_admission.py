@@ -49,6 +49,19 @@ def test_default_spec_admitted_far_past_what_it_promises(tmp_path) -> None:
     assert snap.sandboxes == 5000 and snap.committed_mb == 5000 * 1024 and snap.committed_mb > snap.total_mb
 
 
+def test_commitment_of_some_sandboxes_beside_the_rest(tmp_path) -> None:
+    # a node counts sandboxes it adopted beside its own: committed_to() gives one group's share
+    a = admission(tmp_path, host())
+    a.reserve(SandboxSpec(memory_mb=300)).commit("theirs")
+    for i in range(3):
+        a.reserve(SandboxSpec(memory_mb=1024)).commit(f"ours{i}")
+    assert sorted(a.live_ids()) == ["ours0", "ours1", "ours2", "theirs"]
+    assert a.committed_to(["ours0", "ours1", "ours2"]) == 3 * 1024
+    assert a.committed_to(["theirs", "gone"]) == 300
+    a.paused("ours1")  # a paused sandbox's promise stops counting, in the total and in its group
+    assert a.committed_to(["ours0", "ours1", "ours2"]) == 2 * 1024 == a.committed_mb - 300
+
+
 def test_commitment_policy_can_be_tightened(tmp_path) -> None:
     a = admission(tmp_path, host(total=1000), memory_overcommit=1.0)
     a.reserve(SandboxSpec(memory_mb=600)).commit("a")

@@ -31,7 +31,7 @@ in `details["reason"]` ("promised", "memory", "pressure") and say what to do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -292,6 +292,15 @@ class Admission:
     def counts(self, sandbox_id: str) -> bool:
         """True when the sandbox is counted as live here."""
         return sandbox_id in self._live
+
+    def live_ids(self) -> list[str]:
+        """The sandboxes counted as live here (created by this process or adopted from the node's home)."""
+        return list(self._live)
+
+    def committed_to(self, sandbox_ids: Iterable[str]) -> int:
+        """Memory promised to these sandboxes (MiB): the part of committed_mb they account for (a paused or
+        unknown one adds nothing)."""
+        return sum(self._live[i][0] for i in set(sandbox_ids) if i in self._live and i not in self._paused)
 
     def snapshot(self) -> AdmissionSnapshot:
         """Committed, limit, free and measured figures now (read by placement and the dashboard)."""
