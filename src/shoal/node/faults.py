@@ -6,7 +6,7 @@ is SIGKILL to the node process itself: no `finally`, no cleanup, exactly what a 
 killer would leave. Whatever is left must be cleaned up by `shoal gc` (Node.reconcile) or by the next
 node process that starts on the same SHOAL_HOME: zero half-made sandboxes, mounts, cgroups, network
 namespaces, veths, address leases, nftables state, writable layers or layer leases
-(tests/security/test_faults.py, benchmarks/fault_soak.py).
+(tests/security/test_faults.py, `python -m shoal.bench.faultsoak`).
 
 Unset (the normal case) each step costs one comparison.
 """
