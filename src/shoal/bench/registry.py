@@ -30,11 +30,12 @@ SCENARIOS: dict[str, str] = {
     "cluster": "shoal.bench.scenarios.cluster",
     "store": "shoal.bench.scenarios.store",
     "gvisor": "shoal.bench.scenarios.gvisor",
+    "dashboard": "shoal.bench.scenarios.dashboard",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
 ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
-                           "api-server": "api",
+                           "api-server": "api", "ui": "dashboard", "events": "dashboard",
                            "e2b": "compat", "swerex": "compat", "ray": "cluster"}
 
 
