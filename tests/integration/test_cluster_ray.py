@@ -244,6 +244,56 @@ async def test_gateway_tokens_and_cluster_wide_quota_survive_a_gateway_restart(c
         srv.stop()
 
 
+async def test_gateway_dashboard_views_cover_every_node(cluster: Ctx, shoal_home: Path) -> None:
+    """The dashboard's API through the gateway (issue 20): nodes, a page of sandboxes merged from every node,
+    a sandbox's events and commands from its node, live series per node, /metrics with a node label."""
+    import httpx
+
+    from shoal.server.proc import ServerProcess
+    from shoal.server.tokens import TokenStore
+
+    ghome = shoal_home / "gw-ui"
+    ghome.mkdir(exist_ok=True)
+    admin = TokenStore(ghome).create("ops", admin=True)
+    env = dict(os.environ, SHOAL_HOME=str(ghome), SHOAL_STORE=str(cluster.store))
+    srv = ServerProcess(args=["--cluster", cluster.url], env=env, log_path=ghome / "gateway.log",
+                        token=admin).start(timeout=120)
+    H = {"Authorization": f"Bearer {admin}"}
+    try:
+        async with shoal.Client(srv.url, token=admin) as c, httpx.AsyncClient(base_url=srv.url, timeout=60) as h:
+            items = await c.create_many("base", n=6, labels={"t": "dash"}, **SMALL)
+            sbs = [s for s in items if isinstance(s, shoal.Sandbox)]
+            assert len(sbs) == 6, items
+            assert (await sbs[0].exec("echo from-gateway")).exit_code == 0
+            nodes = (await h.get("/v1/nodes", headers=H)).json()
+            assert nodes["kind"] == "cluster"
+            ids = {n["node_id"] for n in nodes["nodes"] if n["health"] == "ok"}
+            assert ids == set(cluster.agent_pids)  # every node agent of the module's cluster
+            page = (await h.get("/v1/sandboxes/page", params={"label": "t=dash", "limit": "4"}, headers=H)).json()
+            assert page["total"] == 6 and len(page["items"]) == 4
+            assert sum(page["facets"]["node"].values()) == 6 and len(page["facets"]["node"]) >= 2
+            second = (await h.get("/v1/sandboxes/page", params={"label": "t=dash", "limit": "4", "offset": "4"},
+                                  headers=H)).json()
+            assert {r["id"] for r in page["items"] + second["items"]} == {s.id for s in sbs}
+            ev = (await h.get(f"/v1/sandboxes/{sbs[0].id}/events", headers=H)).json()["events"]
+            assert [e["kind"] for e in ev] == ["created"] and ev[0]["node"] == node_of(sbs[0].id)
+            cmds = await c.events(sbs[0].id, commands=True)
+            assert [e.data["cmd"] for e in cmds] == ["echo from-gateway"]
+            stats = (await h.get("/v1/stats", headers=H)).json()
+            assert set(stats["nodes"]) == ids
+            metrics = (await h.get("/metrics", headers=H)).text
+            assert all(f'node="{n}"' in metrics for n in ids) and "shoal_cluster_nodes" in metrics
+            assert 'shoal_sandbox_events_total{kind="created",node=' in metrics
+            recent = (await h.get("/v1/events", params={"kind": "created"}, headers=H)).json()["events"]
+            assert {s.id for s in sbs} <= {e["id"] for e in recent}
+            for s in sbs:
+                await s.close()
+            ev = await c.events(sbs[1].id)
+            assert [e.kind for e in ev] == ["created", "closed"]
+    finally:
+        srv.stop()
+
+
 async def test_kill9_of_a_node_agent_readopts_and_the_sdk_retries(cluster: Ctx) -> None:
     import ray
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -316,3 +317,26 @@ def test_the_dashboard_is_served_by_the_package(served) -> None:
                       "vendor/xterm/xterm.css"):
             assert h.get(f"/ui/static/{asset}").status_code == 200, asset
         assert "/ui" not in h.get("/openapi.json").json()["paths"]
+
+
+# ---- the Grafana dashboard --------------------------------------------------------------------------
+async def test_the_grafana_dashboard_asks_for_metrics_the_server_exports(node: Node) -> None:
+    from prometheus_client import generate_latest
+
+    from shoal.server.limits import TokenLimiter
+    from shoal.server.metrics import Metrics
+
+    repo = Path(__file__).resolve().parents[2]
+    dash = json.loads((repo / "deploy" / "grafana" / "shoal.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 15 and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    wanted = {re.sub(r"_(bucket|count|sum|total)$", "", m) for e in exprs for m in re.findall(r"shoal_[a-z0-9_]+", e)}
+    m = Metrics(node, TokenLimiter(8, 8))
+    m.create_seconds.labels("fake").observe(0.01)
+    m.exec_seconds.labels("exec").observe(0.01)
+    m.errors.labels("x").inc()
+    text = generate_latest(m.registry).decode()
+    exported = {re.sub(r"_(bucket|count|sum|total|created)$", "", ln.split("{")[0].split()[0])
+                for ln in text.splitlines() if ln and not ln.startswith("#")}
+    gateway_only = {"shoal_cluster_nodes"}  # added by a gateway's /metrics (shoal.server.metrics.cluster_metrics)
+    assert wanted - exported == gateway_only, wanted - exported
