@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
+from pydantic import StringConstraints
 
 from shoal.errors import Forbidden, InvalidRequest
 from shoal.node.events import KINDS, LIFECYCLE
@@ -27,6 +28,12 @@ router = APIRouter(prefix="/v1", tags=["observe"])
 Who = Annotated[Principal, Depends(authorized)]
 SidPath = Annotated[str, PathParam(max_length=200, description="sandbox id (`<node>-<26 chars>`)")]
 _PROJECT = r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$"
+#: KEY=VALUE, or empty (= no filter)
+_LABEL = r"^(?:[^=]+=.*)?$"
+#: an event kind, or empty (= any kind)
+_KIND = "^(?:" + "|".join(KINDS) + ")?$"
+LabelArg = Annotated[str, StringConstraints(pattern=_LABEL, max_length=2048)]
+KindArg = Annotated[str, StringConstraints(pattern=_KIND)]
 #: seconds a terminal ticket may wait for its WebSocket
 TICKET_TTL_S = 30.0
 
@@ -35,9 +42,16 @@ def _view(request: Request) -> Any:
     return state_of(request).view
 
 
+def _given(value: str | None) -> str | None:
+    # an empty filter is what a form sends for "any": no filter, not "equal to the empty string"
+    return value or None
+
+
 def _labels(items: list[str] | None) -> dict[str, str]:
     out = {}
     for item in items or []:
+        if not item:
+            continue  # an empty label filter: any
         k, sep, v = item.partition("=")
         if not sep or not k:
             raise InvalidRequest(f"label filter {item!r} must look like KEY=VALUE",
@@ -76,7 +90,7 @@ async def page_sandboxes(
         request: Request, who: Who,
         project: Annotated[str | None, Query(pattern=_PROJECT, description="admin: one project")] = None,
         job: Annotated[str | None, Query(max_length=200, description="label shoal.job")] = None,
-        label: Annotated[list[str] | None, Query(max_length=2048, description="KEY=VALUE; repeat: all")] = None,
+        label: Annotated[list[LabelArg] | None, Query(description="KEY=VALUE; repeat: all; empty: any")] = None,
         state: Annotated[list[str] | None, Query(max_length=32, description="repeat for any of several")] = None,
         backend: Annotated[str | None, Query(max_length=64)] = None,
         image: Annotated[str | None, Query(max_length=300, description="substring of the image")] = None,
@@ -92,8 +106,9 @@ async def page_sandboxes(
     server: {total, offset, limit, items, facets}. Fast at tens of thousands of sandboxes (an index in
     memory, refreshed at most once a second)."""
     _project_scope(who, project)
-    qry = SandboxQuery(project=project, job=job, labels=_labels(label), states=tuple(state or ()), backend=backend,
-                       image=image, min_age_s=min_age_s, max_age_s=max_age_s, q=q, node=node, sort=sort,
+    qry = SandboxQuery(project=project, job=_given(job), labels=_labels(label),
+                       states=tuple(s for s in state or () if s), backend=_given(backend), image=_given(image),
+                       min_age_s=min_age_s, max_age_s=max_age_s, q=_given(q), node=_given(node), sort=sort,
                        desc=order == "desc", offset=offset, limit=limit)
     return dict(await _view(request).page(who, qry))
 
@@ -120,12 +135,14 @@ async def sandbox_usage(sandbox_id: SidPath, request: Request, who: Who) -> dict
 @router.get("/events", response_model=dict[str, Any], responses=errors(403), summary="Recent events")
 async def recent_events(
         request: Request, who: Who,
-        kind: Annotated[list[str] | None, Query(description=f"any of {', '.join(LIFECYCLE)}")] = None,
+        kind: Annotated[list[KindArg] | None, Query(description=f"any of {', '.join(LIFECYCLE)}; "
+                                                "repeat for several; empty: any")] = None,
         since: Annotated[float | None, Query(description="only events after this UNIX time")] = None,
         project: Annotated[str | None, Query(pattern=_PROJECT, description="admin: one project")] = None,
         limit: Annotated[int, Query(ge=1, le=5000)] = 200) -> dict[str, Any]:
     """The newest lifecycle events of the caller's sandboxes (admin: all), oldest first."""
     _project_scope(who, project)
+    kind = [k for k in kind or [] if k] or None
     bad = [k for k in kind or [] if k not in KINDS]
     if bad:
         raise InvalidRequest(f"unknown event kind {bad[0]!r} (one of {', '.join(LIFECYCLE)})",
