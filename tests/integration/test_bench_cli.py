@@ -4,12 +4,17 @@ asserted (benchmarks are for reading); only that every metric was measured."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from shoal.bench import homes
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -41,10 +46,57 @@ def test_quick_bench_writes_json_figures_and_report(tmp_path: Path, base_image: 
     assert all((img / f).stat().st_size > 1000 for f in figures)
     assert "| scenario | metric | shoal |" in md.read_text()
     assert not doc.get("leaks")
-    with open("/proc/self/mountinfo") as f:
-        assert not [line for line in f if "/shoal-bench-" in line], "the benchmark left mounts behind"
+    # its own home only: other benchmarks may be running on this machine with homes of their own
+    home = Path(doc["home"])
+    assert home.parent == Path("/tmp") and home.name.startswith("shoal-bench-")
+    assert not homes.left_in(home), "the benchmark left mounts or loop devices behind"
+    assert not home.exists()
 
 
 def test_unknown_scenario_is_a_clear_error() -> None:
     r = _shoal("bench", "nosuch")
     assert r.returncode == 2 and "unknown scenario(s) nosuch" in r.stderr and "create" in r.stderr
+
+
+def _sandboxes_in(home: Path) -> int:
+    with contextlib.suppress(OSError):
+        return len(list((home / "sandboxes").iterdir()))
+    return 0
+
+
+def _endless_bench(log: Path) -> subprocess.Popen[bytes]:
+    # sequential creates that go on for much longer than the test waits: it is always stopped mid-run.
+    # Output goes to a file: a pipe would be held open by the sandboxes a killed run leaves
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "shoal.cli.main", "bench", "create", "--quick",
+                                 "--no-docker", "-p", "seq=100000"], stdout=f, stderr=subprocess.STDOUT)
+
+
+def test_a_killed_run_is_cleaned_up_by_the_next_and_sigterm_tears_down(tmp_path: Path, base_image: str) -> None:
+    killed = _endless_bench(tmp_path / "killed.log")
+    killed_home = homes.home_for(killed.pid)
+    try:
+        wait_for(lambda: _sandboxes_in(killed_home) >= 2, timeout=120, what=f"sandboxes in {killed_home}")
+    finally:
+        killed.kill()  # SIGKILL: no teardown can run
+        killed.wait(timeout=60)
+    assert homes.left_in(killed_home).mounts, "a run killed mid-way leaves its mounts (the case to clean up)"
+    assert not homes.owner_alive(killed_home)
+
+    log = tmp_path / "term.log"
+    term = _endless_bench(log)
+    term_home = homes.home_for(term.pid)
+    try:
+        # the next run removes the dead run's home before it starts its own sandboxes
+        wait_for(lambda: _sandboxes_in(term_home) >= 2, timeout=180, what=f"sandboxes in {term_home}")
+        assert not killed_home.exists() and not homes.left_in(killed_home)
+        term.send_signal(signal.SIGTERM)
+        term.wait(timeout=300)
+    finally:
+        if term.poll() is None:
+            term.kill()
+            term.wait(timeout=60)
+    out = log.read_text(errors="replace")[-3000:]
+    assert term.returncode == 143, out
+    assert not homes.left_in(term_home), out
+    assert not term_home.exists()

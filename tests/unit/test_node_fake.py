@@ -298,3 +298,29 @@ async def test_stopping_the_node_while_the_pool_refills_leaves_nothing(fake_home
     # nothing of the pool may still be running once stop() returned: refills that went on after it were
     # destroyed half-made when the event loop ended (a "creating" record with its mounts, in CI)
     assert list_records(node.paths.sandboxes) == []
+
+
+def _fds_under(home: Path) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{home}/"):
+            out.append(target)
+    return out
+
+
+async def test_a_stopped_node_holds_nothing_open_in_its_home(fake_home: Path) -> None:
+    # an open file keeps the filesystem under SHOAL_HOME busy: a private disk (shoal bench disk) could not
+    # be detached from its loop device until the process exited
+    node = Node(fake_config(fake_home))
+    add_image(node.store, "t:1", {"/work/x": "x"})
+    await node.start(reap=False)
+    info = await node.create(spec())
+    await node.exec(info.id, "true")  # events and commands are logged
+    await node.close(info.id)
+    assert _fds_under(node.paths.home), "the event log is open while the node runs"
+    await node.stop()
+    assert _fds_under(node.paths.home) == []

@@ -212,6 +212,7 @@ class ContainerBackend(Backend):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._disk_guard
             self._disk_guard = None
+        self.upper_pool.close()  # a stopped node must not keep the pool's filesystem alive
 
     def make_dir(self, d: Path) -> None:
         """Create the sandbox directory: on the node's tmpfs when the writable layer is on the upper pool

@@ -13,14 +13,16 @@ import json
 import os
 import resource
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from shoal.bench import host, registry
+from shoal.bench import homes, host, registry
 from shoal.bench.context import BenchContext, make_progress
 from shoal.bench.results import ScenarioResult
 from shoal.bench.scenario import Scenario, params_dict
@@ -184,10 +186,16 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
         console.print(f"[yellow]warning:[/yellow] the machine is {busy:.0%} busy before the run; "
                       "absolute numbers will be noisy (ratios less so)")
     own_home = home is None
-    home = Path(home or f"/tmp/shoal-bench-{os.getpid()}")
+    home = Path(home or homes.home_for())
+    if own_home:
+        homes.claim(home)
     home.mkdir(parents=True, exist_ok=True)
     st = settings()
     paths = Paths.from_env(home, st.store if st.is_set("store") else "/var/lib/shoal/store")
+    # runs killed before their teardown (SIGKILL, a CI timeout) left sandboxes and mounts: undo them first
+    for stale, left in (await homes.reap_stale(paths.store)).items():
+        console.print(f"  removed what a dead benchmark run left: {stale}"
+                      + (f" [red](still there: {left})[/red]" if left else ""))
     # other scenarios start servers and nodes of their own: they use the same store
     os.environ.setdefault("SHOAL_STORE", str(paths.store))
     cfg = NodeConfig(paths=paths)  # the default settings: what a new user gets
@@ -202,6 +210,7 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     docker_fs = None
     docker_reason = "disabled with --no-docker" if no_docker else ""
     wants_docker = not no_docker and any(s.uses_docker for s in scens.values())
+    stop = _cancel_on_signals()
     try:
         await client.__aenter__()
         if wants_docker:
@@ -236,7 +245,12 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
         with contextlib.suppress(Exception):
             await client.aclose()
         doc["leaks"] = leaks(home)
-        await _teardown_home(node, home, own_home and not doc["leaks"])
+        # everything mounted in the home goes (layers, upper pool, tmpfs dirs), even after a failed scenario
+        remaining = await homes.teardown(home, paths.store, remove=own_home and not doc["leaks"])
+        if remaining:
+            doc["leaks"].update(remaining.to_dict())
+            console.print(f"[red]still mounted after the teardown:[/red] {remaining.to_dict()}")
+        stop()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     if json_path:
         _write_json(json_path, doc)
@@ -254,14 +268,25 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-async def _teardown_home(node: Any, home: Path, remove: bool) -> None:
-    # the one teardown of a SHOAL_HOME (layer mounts, upper pool, the tmpfs dirs a node mounts there)
-    from shoal.node.teardown import teardown_home
+def _cancel_on_signals() -> Callable[[], None]:
+    """SIGTERM and SIGHUP cancel the run once (like Ctrl-C), so its teardown still unmounts everything;
+    returns the function that puts the default handlers back."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    fired = False
 
-    with contextlib.suppress(Exception):
-        await teardown_home(node.paths, close_sandboxes=True)
-    if remove:
-        from shoal.host import syscalls
+    def cancel() -> None:
+        nonlocal fired
+        if not fired and task is not None:  # a second signal must not interrupt the teardown
+            fired = True
+            task.cancel()
 
-        if not syscalls.mounts_under(str(home)):
-            shutil.rmtree(home, ignore_errors=True)
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    for sig in sigs:
+        loop.add_signal_handler(sig, cancel)
+
+    def restore() -> None:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+
+    return restore

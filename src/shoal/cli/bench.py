@@ -93,6 +93,9 @@ def bench(
                                     params=overrides))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    except asyncio.CancelledError:  # SIGTERM/SIGHUP: the run stopped after its teardown
+        err_console.print("stopped by a signal (everything it set up was removed)")
+        raise typer.Exit(143) from None
     from shoal.bench.report import markdown_table
 
     console.rule("[bold]summary[/bold]")

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import json
 import random
@@ -466,7 +467,7 @@ class ClusterTransport(Transport):
         return await self.list_all(labels=labels)
 
     async def list_all(self, labels: dict[str, str] | None = None, project: str | None = None
-                       ) -> list[SandboxInfo]:
+                       ) -> builtins.list[SandboxInfo]:
         """Every sandbox of the cluster (of one project), those of nodes that are gone as `lost`."""
         await self.start()
         names = await asyncio.to_thread(agent_names)
@@ -511,10 +512,10 @@ class ClusterTransport(Transport):
             await self._forget_lost(sandbox_id)
 
     # ---- commands, files, shells: straight to the owner node's endpoint ----------------------------
-    async def exec(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ExecResult:
+    async def exec(self, sandbox_id: str, cmd: str | builtins.list[str], **kw: Any) -> ExecResult:
         return await self._on_sandbox(sandbox_id, "exec", lambda h: h.exec(sandbox_id, cmd, **kw))
 
-    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> ClusterStream:
+    async def stream(self, sandbox_id: str, cmd: str | builtins.list[str], **kw: Any) -> ClusterStream:
         nid = node_of(check_sandbox_id(sandbox_id))
         inner = await self._on_node(nid, "stream", lambda h: h.stream(sandbox_id, cmd, **kw))
         return ClusterStream(inner, self, nid)
@@ -531,7 +532,7 @@ class ClusterTransport(Transport):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         await self._on_sandbox(sandbox_id, "write_file", lambda h: h.write_file(sandbox_id, path, data, mode))
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[DirEntry]:
         return await self._on_sandbox(sandbox_id, "list_dir", lambda h: h.list_dir(sandbox_id, path))
 
     async def shell_open(self, sandbox_id: str, **kw: Any) -> str:
@@ -555,7 +556,7 @@ class ClusterTransport(Transport):
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         return await self._on_sandbox(sandbox_id, "snapshot", lambda h: h.snapshot(sandbox_id, name))
 
-    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
+    async def fork(self, sandbox_id: str, n: int, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
         return await self._on_sandbox(sandbox_id, "fork", lambda h: h.fork(sandbox_id, n, **kw))
 
     # ---- images and fncall: any node (they share the store) ------------------------------------------
@@ -567,7 +568,7 @@ class ClusterTransport(Transport):
                                   "`shoal cluster up --address ...`")
         return nid
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         nid = await self._any_node()
         return await self._on_node(nid, "images", lambda h: h.images())
 
@@ -575,7 +576,7 @@ class ClusterTransport(Transport):
         nid = await self._any_node()
         return await self._on_node(nid, "run_code", lambda h: h.run_code(code, **kw))
 
-    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    async def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         nid = await self._any_node()
         return await self._on_node(nid, "run_code", lambda h: h.run_code_many(items, **kw))
 
@@ -588,8 +589,9 @@ class ClusterTransport(Transport):
 
         return await self._on_node(node_id, "get", go)
 
-    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
-                     since: float | None = None, limit: int = 200) -> list[Any]:
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
+                     kinds: builtins.list[str] | None = None, since: float | None = None,
+                     limit: int = 200) -> builtins.list[Any]:
         """A sandbox's events from its node; without a sandbox, the newest events of every node."""
         if sandbox_id is not None:
             return list(await self._on_sandbox(sandbox_id, "get", lambda h: h.events(
@@ -609,7 +611,7 @@ class ClusterTransport(Transport):
 
         return str(await self._on_node(node_id, "get", go))
 
-    async def lost_sandboxes(self) -> list[SandboxInfo]:
+    async def lost_sandboxes(self) -> builtins.list[SandboxInfo]:
         """Sandboxes of nodes that have left the cluster (state `lost`), from the nodes' published indexes."""
         alive = {s["node_id"] for s in await self.states(max_age_s=2.0)}
         out: list[SandboxInfo] = []
@@ -618,7 +620,7 @@ class ClusterTransport(Transport):
         return out
 
     # ---- sandboxes of nodes that are gone ---------------------------------------------------------
-    async def _index(self, node_id: str) -> list[dict[str, Any]] | None:
+    async def _index(self, node_id: str) -> builtins.list[dict[str, Any]] | None:
         raw = await asyncio.to_thread(kv_get, KV_INDEX_PREFIX + node_id)
         if raw is None:
             return None
@@ -627,11 +629,11 @@ class ClusterTransport(Transport):
         except ValueError:
             return []
 
-    async def _lost_nodes(self, live_nodes: set[str]) -> list[str]:
+    async def _lost_nodes(self, live_nodes: set[str]) -> builtins.list[str]:
         keys = await asyncio.to_thread(kv_keys, KV_INDEX_PREFIX)
         return [k[len(KV_INDEX_PREFIX):] for k in keys if k[len(KV_INDEX_PREFIX):] not in live_nodes]
 
-    async def _lost_infos(self, node_id: str) -> list[SandboxInfo]:
+    async def _lost_infos(self, node_id: str) -> builtins.list[SandboxInfo]:
         return [_lost_info(d) for d in await self._index(node_id) or []]
 
     async def _lost_entry(self, sandbox_id: str) -> SandboxInfo | None:

@@ -178,9 +178,9 @@ def usage(rel_path: str) -> dict[str, Any]:
             if k == "usage_usec" and v.strip().isdigit():
                 out["cpu_s"] = round(int(v) / 1e6, 3)
     else:
-        v = cg.read("cpuacct", "cpuacct.usage")
-        if v and v.strip().isdigit():
-            out["cpu_s"] = round(int(v) / 1e9, 3)
+        usage = cg.read("cpuacct", "cpuacct.usage")
+        if usage and usage.strip().isdigit():
+            out["cpu_s"] = round(int(usage) / 1e9, 3)
     pids = cg.read("pids", "pids.current")
     if pids and pids.strip().isdigit():
         out["pids"] = int(pids)

@@ -87,6 +87,16 @@ class UpperPool:
             os.close(lock)
         return bool(self.enforced)
 
+    def close(self) -> None:
+        """Drop this object's handle on the pool (the pool stays mounted). An open handle keeps the btrfs alive:
+        the pool's unmount then only detaches it, and its loop device stays attached until this process
+        exits."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.enforced:
+            self.enforced = None  # the next ensure() opens a handle again
+
     def _mount(self) -> None:
         if not shutil.which("mkfs.btrfs"):
             raise RuntimeError("mkfs.btrfs missing (apt-get install btrfs-progs)")
@@ -271,11 +281,7 @@ class UpperPool:
             VolatileDirs(self.paths).teardown()
         with contextlib.suppress(OSError):
             GuestFiles(self.paths, Path()).teardown()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self.enforced:
-            self.enforced = None
+        self.close()
         lock = self._lock()
         try:
             if not syscalls.is_mountpoint(str(self.mountpoint)):

@@ -14,6 +14,7 @@ Exec, files and shells go through the in-sandbox agent, identical on every backe
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import os
@@ -152,6 +153,9 @@ class Node(DataPlane):
         await self.recovery.stop_reaper()
         await self.scheduling.stop()
         await self.connections.close_all()
+        # no handle of a stopped node may stay open in SHOAL_HOME: it would keep the filesystem holding the
+        # home busy (a bench's private disk stayed attached to its loop device until the process exited)
+        self.events.close()
         self._started = False
 
     async def __aenter__(self) -> Node:
@@ -431,7 +435,7 @@ class Node(DataPlane):
         return out
 
     # ---- OOM kills ------------------------------------------------------------------------------
-    def check_oom(self, rec: SandboxRecord, *, cmd: str | list[str] | None = None, when: str = "") -> int:
+    def check_oom(self, rec: SandboxRecord, *, cmd: str | builtins.list[str] | None = None, when: str = "") -> int:
         """Log an `oom` event when the kernel's OOM killer killed processes of the sandbox since the last
         check (its memory cgroup's oom_kill counter); returns how many new kills. Cheap (one cgroup file),
         so it runs after a command killed by SIGKILL and before a close."""
@@ -576,7 +580,7 @@ class Node(DataPlane):
         return await snapshot_sandbox(self, sandbox_id, name, store_budget=store_budget)
 
     async def fork(self, sandbox_id: str, n: int, *, memory: bool | None = None, **kw: Any
-                   ) -> list[SandboxInfo | ShoalError]:
+                   ) -> builtins.list[SandboxInfo | ShoalError]:
         """`n` children of the sandbox; per-item errors like create_many. From its files (a snapshot,
         then create_many; options `name` and spec overrides), or with `memory=True` continuing its
         processes (backends with Capability.FORK_MEMORY). `memory=None` takes what the backend offers."""
@@ -594,7 +598,8 @@ class Node(DataPlane):
         backend.require(Capability.SNAPSHOT_FILES)
         return await fork_sandbox(self, sandbox_id, n, **kw)
 
-    async def restore(self, name: str, n: int = 1, *, backend: str = "microvm") -> list[SandboxInfo | ShoalError]:
+    async def restore(self, name: str, n: int = 1, *, backend: str = "microvm"
+                      ) -> builtins.list[SandboxInfo | ShoalError]:
         """`n` new sandboxes resumed from the named memory snapshot (taken on `backend`'s host kind)."""
         b = self.backend(backend)
         b.require(Capability.RESTORE)
@@ -605,7 +610,7 @@ class Node(DataPlane):
         """Run a snippet on the fncall backend's warm pool."""
         return await self.fncall().run_code(code, **kw)
 
-    async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
+    async def run_code_many(self, items: builtins.list[Any], **kw: Any) -> builtins.list[Any]:
         """Run many snippets on the fncall backend; one result per item, in order."""
         return await self.fncall().run_code_many(items, **kw)
 

@@ -111,9 +111,12 @@ class Recovery:
         with contextlib.suppress(Exception):
             # writable layers whose sandbox directory is gone (crash before the first record, reboot)
             pool = UpperPool(node.paths)
-            pool.sweep_orphans(node.paths.sandboxes)
-            if pool.enforced:
-                pool.guard.prune()  # promises and clamps of layers that are gone (shoal.node.disk_guard)
+            try:
+                pool.sweep_orphans(node.paths.sandboxes)
+                if pool.enforced:
+                    pool.guard.prune()  # promises and clamps of layers that are gone (shoal.node.disk_guard)
+            finally:
+                pool.close()  # its handle would keep the pool's filesystem (and loop device) alive
         with contextlib.suppress(Exception):
             node.layer_mounts.reconcile(live_ids)
 

@@ -146,8 +146,9 @@ class Client:
         t = await self._ensure()
         return await t.images()
 
-    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
-                     since: float | None = None, limit: int = 200) -> list[SandboxEvent]:
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
+                     kinds: builtins.list[str] | None = None, since: float | None = None,
+                     limit: int = 200) -> builtins.list[SandboxEvent]:
         """The event log: a sandbox's lifecycle events (created, paused, resumed, oom, timeout, lost, closed),
         or with `commands` the commands it ran (exit code, duration); without a sandbox, the newest events of
         every sandbox this client may see. Oldest first; readable after a sandbox was closed."""

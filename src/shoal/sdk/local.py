@@ -91,8 +91,9 @@ class LocalTransport(Transport):
     async def images(self) -> builtins.list[dict[str, Any]]:
         return [img.to_dict() for img in self.node.store.list_images()]
 
-    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
-                     since: float | None = None, limit: int = 200) -> list[SandboxEvent]:
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
+                     kinds: builtins.list[str] | None = None, since: float | None = None,
+                     limit: int = 200) -> builtins.list[SandboxEvent]:
         """From this node's event log files ($SHOAL_HOME/events)."""
         import asyncio
 

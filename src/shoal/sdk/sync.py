@@ -234,7 +234,7 @@ class SyncClient:
         """Images in the store."""
         return self._loop.run(self._client.images())
 
-    def events(self, sandbox_id: str | None = None, **kw: Any) -> list[Any]:
+    def events(self, sandbox_id: str | None = None, **kw: Any) -> builtins.list[Any]:
         """The event log (see Client.events)."""
         return self._loop.run(self._client.events(sandbox_id, **kw))
 

@@ -118,8 +118,9 @@ class Transport(ABC):
 
         raise NotImplementedYet("listing images is not available on this transport")
 
-    async def events(self, sandbox_id: str | None = None, *, commands: bool = False, kinds: list[str] | None = None,
-                     since: float | None = None, limit: int = 200) -> list[SandboxEvent]:
+    async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
+                     kinds: builtins.list[str] | None = None, since: float | None = None,
+                     limit: int = 200) -> builtins.list[SandboxEvent]:
         """A sandbox's events (or its commands), or the newest events of every visible sandbox."""
         from shoal.errors import NotImplementedYet
 

@@ -513,7 +513,7 @@ class ClusterView:
 
 def _sum_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
     states: Counter[str] = Counter()
-    mem: Counter[str] = Counter()
+    mem: dict[str, int | float] = {}  # some figures are fractional MB
     for n in nodes:
         if n.get("health") != "ok":
             continue
@@ -521,8 +521,8 @@ def _sum_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
         for k in ("committed_mb", "used_mb", "total_mb", "limit_mb", "reclaimed_mb", "available_mb"):
             v = (n.get("memory") or {}).get(k)
             if isinstance(v, (int, float)):
-                mem[k] += v
-    return {"states": dict(states), "memory": dict(mem)}
+                mem[k] = mem.get(k, 0) + v
+    return {"states": dict(states), "memory": mem}
 
 
 def view_for(st: ServerState) -> NodeView | ClusterView:

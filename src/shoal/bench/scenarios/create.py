@@ -157,9 +157,9 @@ async def interleaved(create: Callable[[], Awaitable[Any]], close: Callable[[Any
             except Exception as e:
                 out.errors.append(f"{type(e).__name__}: {e}"[:300])
                 continue
-            e = time.perf_counter()
-            out.latencies.append(e - s)
-            out.done_at.append(e - t0)
+            end = time.perf_counter()
+            out.latencies.append(end - s)
+            out.done_at.append(end - t0)
             if advance:
                 advance()
             if prev is not None:
