@@ -108,7 +108,11 @@ async def kill_and_forget(rec: SandboxRecord, rt: OciRuntime, timeout: float = 5
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     loop = asyncio.get_running_loop()
                     gone = loop.create_future()
-                    loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+                    def exited() -> None:
+                        if not gone.done():
+                            gone.set_result(None)
+
+                    loop.add_reader(pidfd, exited)
                     try:
                         await asyncio.wait_for(gone, timeout)
                     except TimeoutError:

@@ -33,10 +33,11 @@ STEPS = (
 )
 
 _UNSET = object()
-_config: object = _UNSET
+#: None (no faults), a probability (random:P) or step patterns; _UNSET until the first crash_point()
+_config: float | list[str] | object | None = _UNSET
 
 
-def _load() -> object:
+def _load() -> float | list[str] | None:
     from shoal.config import settings
 
     spec = settings().fault
@@ -53,10 +54,12 @@ def crash_point(step: str) -> None:
     if _config is _UNSET:
         _config = _load()
     cfg = _config
-    if cfg is None:
+    if isinstance(cfg, float):
+        hit = random.random() < cfg
+    elif isinstance(cfg, list):
+        hit = any(fnmatch.fnmatchcase(step, pat) for pat in cfg)
+    else:
         return
-    hit = (random.random() < cfg if isinstance(cfg, float)
-           else any(fnmatch.fnmatchcase(step, pat) for pat in cfg))  # type: ignore[union-attr]
     if hit:
         os.kill(os.getpid(), signal.SIGKILL)
 
