@@ -317,6 +317,46 @@ async def test_a_terminal_ticket_opens_one_stream_once(served) -> None:
         await _close_all(url, toks["admin"])
 
 
+async def _cli(*args: str, token: str) -> tuple[int, str, str]:
+    # the installed `shoal` command, as a user runs it (a subprocess: its own event loop and console)
+    import sys
+
+    env = dict(os.environ, SHOAL_TOKEN=token, COLUMNS="200", NO_COLOR="1")
+    env.pop("SHOAL_URL", None)
+    p = await asyncio.create_subprocess_exec(str(Path(sys.executable).with_name("shoal")), *args, env=env,
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), 120)
+    return p.returncode or 0, out.decode(), err.decode()
+
+
+async def test_shoal_events_and_shoal_top_read_the_server(served) -> None:
+    url, toks = served
+    try:
+        async with shoal.Client(url, token=toks["alpha"]) as a, shoal.Client(url, token=toks["beta"]) as b:
+            sb = await a.create("t:1", **FAKE)
+            theirs = await b.create("t:1", **FAKE)
+            assert (await sb.exec("exit 3")).exit_code == 3
+            await sb.pause()
+            rc, out, err = await _cli("events", "--json", "--url", url, token=toks["alpha"])
+            assert rc == 0, err
+            evs = [json.loads(ln) for ln in out.splitlines()]
+            assert [(e["kind"], e["id"]) for e in evs] == [("created", sb.id), ("paused", sb.id)]
+            rc, out, err = await _cli("events", sb.id, "--commands", "--json", "--url", url, token=toks["alpha"])
+            (cmd,) = [json.loads(ln) for ln in out.splitlines()]
+            assert rc == 0 and cmd["cmd"] == "exit 3" and cmd["exit_code"] == 3 and cmd["duration_s"] >= 0, err
+            rc, out, err = await _cli("events", theirs.id, "--url", url, token=toks["alpha"])
+            assert rc != 0 and "no sandbox" in err and "Traceback" not in err, (out, err)
+            # shoal top: one frame with the node, its sandboxes by state and the newest events (admin token)
+            rc, out, err = await _cli("top", "--once", "--url", url, token=toks["admin"])
+            assert rc == 0, err
+            assert "shoal top" in out and "(node)" in out and "paused 1" in out and "running 1" in out, out
+            assert sb.id in out and theirs.id in out
+            rc, out, err = await _cli("top", "--once", "--url", url, token=toks["alpha"])
+            assert rc != 0 and "admin" in err and "Traceback" not in err, (out, err)
+    finally:
+        await _close_all(url, toks["admin"])
+
+
 def test_the_dashboard_is_served_by_the_package(served) -> None:
     url, _ = served
     with httpx.Client(base_url=url) as h:

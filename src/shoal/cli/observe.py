@@ -131,7 +131,12 @@ def render(nodes: dict[str, Any], stats: dict[str, Any], evs: list[dict[str, Any
     pts = stats.get("total") or []
     last = pts[-1] if pts else {}
     head = Table.grid(padding=(0, 3))
-    states = last.get("states") or {}
+    # sandboxes by state now (the nodes' answers), not as of the last sampled point (up to 2 s old)
+    states: dict[str, int] = {}
+    for n in nodes.get("nodes") or []:
+        for k, v in (n.get("sandboxes") or {}).items():
+            states[k] = states.get(k, 0) + int(v or 0)
+    states = states or last.get("states") or {}
     mem = last.get("memory") or {}
     head.add_row(Text(f"shoal top — {base} ({nodes.get('kind')})", style="bold"),
                  f"running {_f(states.get('running'))}", f"paused {_f(states.get('paused'))}",
