@@ -160,8 +160,8 @@ def page_rows(rows: list[dict[str, Any]], q: SandboxQuery, now: float | None = N
     else:
         key = _sort_key(q.sort)
         # a page needs only its own rows in order: heapq picks offset+limit of them without sorting all
-        k = q.offset + q.limit
-        pick = heapq.nlargest(k, hit, key=key) if q.desc else heapq.nsmallest(k, hit, key=key)
+        need = q.offset + q.limit
+        pick = heapq.nlargest(need, hit, key=key) if q.desc else heapq.nsmallest(need, hit, key=key)
         window = pick[q.offset:]
     items = [{k: v for k, v in r.items() if k != "layers"} for r in window]
     return {"total": n, "offset": q.offset, "limit": q.limit, "items": items, "facets": facets}
