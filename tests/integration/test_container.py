@@ -120,6 +120,9 @@ async def test_memory_hog_is_oom_killed_agent_lives(any_client: shoal.Client) ->
     r = await sb.exec(["python3", "-c", "b = bytearray(512 * 2**20); print(len(b))"], timeout=60)
     assert r.exit_code == 137 and r.signal == 9, r
     assert (await sb.exec("echo still here")).stdout == b"still here\n"
+    # the event log says why the command died (issue 20: an `oom` event, from the memory cgroup's counter)
+    (oom,) = [e for e in await sb.events() if e.kind == "oom"]
+    assert oom.data["kills"] >= 1 and oom.data["memory_mb"] == 64 and "python3" in oom.data["cmd"], oom
 
 
 async def test_output_flood_is_capped(any_client: shoal.Client) -> None:
