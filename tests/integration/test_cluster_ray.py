@@ -19,6 +19,7 @@ import pytest
 
 import shoal
 from shoal.node.records import node_of
+from tests.waiting import async_wait_for
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -306,8 +307,9 @@ async def test_kill9_of_a_node_agent_readopts_and_the_sdk_retries(cluster: Ctx) 
         nid = node_of(sb.id)
         actor = ray.get_actor(agent_name(nid), namespace=NAMESPACE)
         hello = await actor.ensure_started.remote()
-        inflight = asyncio.create_task(sb.exec("sleep 20; echo finished"))
-        await asyncio.sleep(1.0)
+        inflight = asyncio.create_task(sb.exec("touch /tmp/inflight; sleep 20; echo finished"))
+        # the call is in flight once its command runs in the sandbox (seen through another call)
+        await async_wait_for(lambda: _exists_in(sb, "/tmp/inflight"), what="the in-flight command to start")
         os.kill(hello["pid"], signal.SIGKILL)
         with pytest.raises(shoal.NodeUnavailable) as ei:
             await inflight  # not idempotent: reported (retryable), not repeated
@@ -388,6 +390,10 @@ def test_cluster_down_leaves_nothing_behind(cluster: Ctx) -> None:
     temp = cluster.lc.temp_dir
     cluster.lc.shutdown()
     assert ray_processes_of(temp) == [], "Ray processes left"
+
+
+async def _exists_in(sb: shoal.Sandbox, path: str) -> bool:
+    return (await sb.exec(["test", "-e", path])).exit_code == 0
 
 
 async def _indexed(node_id: str, ids: set[str]) -> None:

@@ -26,6 +26,7 @@ from shoal.images.mounts import LayerMounts, mount_source
 from shoal.images.store import ImageStore
 from shoal.models import SandboxSpec
 from tests.integration.storeutil import busybox_image, busybox_tree, private_node
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
@@ -113,6 +114,7 @@ from shoal.images.store import ImageStore, ImageConfig
 store_root, tree, idx = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 rounds, go = int(sys.argv[4]), Path(sys.argv[5])
 store = ImageStore(store_root)
+Path(f"{go}.ready.{os.getpid()}").touch()
 while not go.exists():
     time.sleep(0.005)
 out = {"layers": set(), "manifests": []}
@@ -126,13 +128,14 @@ print(json.dumps(out))
 """
 
 _IMPORTER = r"""
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 from shoal.images.oci import import_archive
 from shoal.images.store import ImageStore
 store_root, archive, home, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
 store = ImageStore(store_root)
 (home / "tmp").mkdir(parents=True, exist_ok=True)
+Path(f"{go}.ready.{os.getpid()}").touch()
 while not go.exists():
     time.sleep(0.005)
 rep = import_archive(store, archive, "imported:latest", work_dir=home / "tmp")
@@ -182,7 +185,13 @@ def _race(argvs: list[list[str]], go: Path, env_homes: list[Path]) -> list[dict]
         env = dict(os.environ, SHOAL_HOME=str(home))
         procs.append(subprocess.Popen([sys.executable, "-c", *argv], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    time.sleep(0.3)
+    def ready() -> bool:
+        if any(p.poll() is not None for p in procs):
+            return True  # one ended early: its error is reported below
+        return len(list(go.parent.glob(f"{go.name}.ready.*"))) == len(procs)
+
+    # every racer is ready (imports done, its node started) before the go: they really start together
+    wait_for(ready, timeout=120, what="every racer to be ready")
     go.touch()
     outs = []
     for p in procs:
@@ -301,7 +310,7 @@ def test_gc_on_one_node_never_deletes_a_layer_another_node_uses(store_root: Path
 
 
 _BUILDER = r"""
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 from pathlib import Path
 from shoal.config import NodeConfig, Paths
 from shoal.images.recipe import Recipe, Run, build_recipe
@@ -314,6 +323,7 @@ async def main():
                            min_free_memory_mb=0))
     await node.start()
     try:
+        Path(f"{go}.ready.{os.getpid()}").touch()
         while not go.exists():
             await asyncio.sleep(0.005)
         # not reproducible: two builds of this step would make two different layers

@@ -3,7 +3,6 @@ TTL reaping, admission, crash recovery and adoption, pause/resume, capability ro
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -26,6 +25,7 @@ from shoal.node.admission import meminfo
 from shoal.node.node import Node
 from shoal.node.records import SandboxRecord, list_records
 from tests.unit.conftest import add_image, fake_config
+from tests.waiting import async_wait_for
 
 FAKE = {"image": "t:1", "backend": "fake"}
 
@@ -98,9 +98,9 @@ async def test_files_are_mapped_under_the_sandbox(node: Node) -> None:
 async def test_ttl_reaping(node: Node) -> None:
     short = await node.create(spec(ttl_s=0.05))
     keep = await node.create(spec(ttl_s=3600))
-    assert short.expires_at is not None
-    while time.time() < short.expires_at:
-        await asyncio.sleep(0.01)
+    expires = short.expires_at
+    assert expires is not None
+    await async_wait_for(lambda: time.time() >= expires, what="the short ttl to pass")
     assert await node.reap_once() == 1
     assert [i.id for i in await node.list()] == [keep.id]
     assert node.admission.snapshot().sandboxes == 1
@@ -110,8 +110,7 @@ async def test_reaper_closes_sandboxes_whose_init_died(node: Node) -> None:
     info = await node.create(spec())
     os.kill(node.record(info.id).init_pid, signal.SIGKILL)
     rec = node.record(info.id)
-    while rec.init_alive():
-        await asyncio.sleep(0.01)
+    await async_wait_for(lambda: not rec.init_alive(), what="the killed init to be gone")
     with pytest.raises(SandboxError, match="died"):
         await node.exec(info.id, "true")
     assert await node.reap_once() == 1
@@ -165,8 +164,7 @@ async def test_reconcile_adopts_live_sandboxes_after_a_crash(fake_home: Path) ->
     # the node process "crashes": its connections go, nobody closes anything
     await first.connections.close_all()
     os.kill(first.record(doomed.id).init_pid, signal.SIGKILL)
-    while first.record(doomed.id).init_alive():
-        await asyncio.sleep(0.01)
+    await async_wait_for(lambda: not first.record(doomed.id).init_alive(), what="the killed init to be gone")
     # a half-made sandbox of an owner that is gone
     rec = first.record(live.id)
     ghost = SandboxRecord(**{**rec.to_dict(), "id": rec.id[:-4] + "zzzz", "dir": str(rec.path)[:-4] + "zzzz",
@@ -292,8 +290,8 @@ async def test_stopping_the_node_while_the_pool_refills_leaves_nothing(fake_home
     add_image(node.store, "t:1", {"/work/x": "x"})
     await node.start(reap=False)
     node.set_warm_pool(spec(), 6)  # refills start at once, 4 at a time
-    while not any(r.state == "creating" for r in list_records(node.paths.sandboxes)):
-        await asyncio.sleep(0.001)
+    await async_wait_for(lambda: any(r.state == "creating" for r in list_records(node.paths.sandboxes)),
+                         what="a pool refill to be under way", interval=0.001)
     await node.stop()
     # nothing of the pool may still be running once stop() returned: refills that went on after it were
     # destroyed half-made when the event loop ended (a "creating" record with its mounts, in CI)

@@ -26,6 +26,7 @@ from shoal.server.settings import ServerSettings
 from shoal.server.tokens import TokenStore
 from tests.unit.conftest import AGENT_BUILT, add_image, fake_config
 from tests.unit.test_server_fake import Server
+from tests.waiting import async_wait_for
 
 FAKE = {"backend": "fake"}
 
@@ -84,13 +85,11 @@ async def test_ttl_expiry_and_a_dead_init_are_logged_as_timeout_and_lost(node: N
     a = await node.create(SandboxSpec(image="t:1", backend="fake", ttl_s=1))
     b = await node.create(SandboxSpec(image="t:1", backend="fake"))
     os.kill(node.record(b.id).init_pid, 9)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    async def both_closed() -> bool:
         await node.reap_once()
-        done = [e for e in read_events(node.paths.home) if e.kind == "closed"]
-        if len(done) == 2:
-            break
-        await asyncio.sleep(0.2)
+        return len([e for e in read_events(node.paths.home) if e.kind == "closed"]) == 2
+
+    await async_wait_for(both_closed, what="the reaper to close the expired and the dead sandbox", interval=0.2)
     ea = kinds(read_events(node.paths.home, sandbox_id=a.id))
     eb = read_events(node.paths.home, sandbox_id=b.id)
     assert ea == ["created", "timeout", "closed"]
@@ -268,12 +267,11 @@ async def test_the_api_scopes_pages_events_and_figures_by_token(served) -> None:
                 assert 'shoal_sandbox_events_total{kind="created"} 4.0' in metrics
                 assert "shoal_memory_used_mb" in metrics
                 # live stats: a point appears within a few sampling intervals, with the creates counted
-                pts: list = []
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and not any(p.get("create_p50") for p in pts):
-                    await asyncio.sleep(0.5)
+                async def points() -> list:
                     pts = (await h.get("/v1/stats", headers=H["admin"])).json()["total"]
-                assert any(p.get("create_p50") for p in pts), pts
+                    return pts if any(p.get("create_p50") for p in pts) else []
+
+                pts = await async_wait_for(points, what="a stats point with the creates counted", interval=0.5)
                 assert pts[-1]["states"]["paused"] == 1
             # the SDK reads the same log over HTTP
             evs = await a.events(mine[1].id)
