@@ -31,6 +31,8 @@ async def test_a_gvisor_sandbox_works_like_a_crun_one(client: shoal.Client, gvis
     r = await sb.exec("echo out; echo err >&2; exit 3")
     assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
     await sb.write_file("/work/a.txt", b"data")
+    # /tmp is the writable layer's, as on crun (runsc would mount a tmpfs of its own kernel at an empty /tmp)
+    await sb.exec("echo t > /tmp/t.txt")
     assert (await sb.exec("cat /work/a.txt")).stdout == b"data"
     sh = await sb.shell()
     await sh.run("cd /work && export X=7")
@@ -46,7 +48,7 @@ async def test_a_gvisor_sandbox_works_like_a_crun_one(client: shoal.Client, gvis
     img = await sb.snapshot("sec-gvisor:1")
     try:
         child = await client.create(img["ref"], runtime="gvisor", memory_mb=256)
-        assert (await child.exec("cat /work/a.txt; ls -a / | grep -c shoal-run")).stdout == b"data0\n"
+        assert (await child.exec("cat /work/a.txt /tmp/t.txt; ls -a / | grep -c shoal-run")).stdout == b"datat\n0\n"
         await child.close()
     finally:
         client.transport.node.store.remove_image(img["ref"])

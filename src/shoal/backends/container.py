@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -296,7 +297,7 @@ class ContainerBackend(Backend):
                 env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
                 proc_binds=rt.proc_binds, **gf.config_args(spec.memory_mb, swap_mb),
-                agent_run_dir=str(run_dir) if run_dir else None,
+                agent_run_dir=str(run_dir) if run_dir else None, bind_tmp=rt.own_tmp and _tmp_dir(rootfs),
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()
@@ -487,3 +488,17 @@ class ContainerBackend(Backend):
         # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
         out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
         return out
+
+
+def _tmp_dir(rootfs: Path) -> bool:
+    """Make sure the rootfs's /tmp is a real directory (created 1777 when the image has none) before it is
+    bound at /tmp from the host side; False when it is anything else (a symlink would resolve on the host:
+    such an image keeps the runtime's own /tmp)."""
+    tmp = rootfs / "tmp"
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        tmp.mkdir()
+        os.chmod(tmp, 0o1777)
+        return True
+    return stat.S_ISDIR(st.st_mode)

@@ -85,7 +85,7 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  empty_dir: str | None = None, empty_file: str | None = None,
                  proc_files: dict[str, str] | None = None,
                  proc_binds: frozenset[str] | None = None,
-                 agent_run_dir: str | None = None) -> dict[str, Any]:
+                 agent_run_dir: str | None = None, bind_tmp: bool = False) -> dict[str, Any]:
     """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3.
 
     `empty_dir`/`empty_file` mask paths by a read-only bind instead of the runtime's own masks (a tmpfs
@@ -94,7 +94,9 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     OciRuntime.proc_binds): the other /proc masks are left to the runtime's own maskedPaths, and an
     empty `proc_files` entry it refuses is masked the same way (its content is the same: nothing).
     With `agent_run_dir` (a host directory, bound read-write at AGENT_RUN_IN_SANDBOX) the agent listens on a
-    socket there instead of fd 3 (runtimes that cannot hand it an fd)."""
+    socket there instead of fd 3 (runtimes that cannot hand it an fd). `bind_tmp` binds the rootfs's own /tmp
+    at /tmp (gVisor mounts a tmpfs of its own kernel at an empty /tmp unless the spec mounts something there:
+    files in it would miss the writable layer, snapshots and disk_mb)."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
     resources: dict[str, Any] = {
@@ -153,6 +155,9 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         mounts += [{"destination": p, "type": "bind", "source": empty_file,
                     "options": ["bind", "ro", "nosuid", "nodev", "noexec"]} for p in files]
         masked = [p for p in masked if p not in files]
+    if bind_tmp:
+        mounts.append({"destination": "/tmp", "type": "bind", "source": os.path.join(rootfs, "tmp"),
+                       "options": ["rbind", "rw", "nosuid", "nodev"]})
     if agent_run_dir:
         mounts.append({"destination": AGENT_RUN_IN_SANDBOX, "type": "bind", "source": agent_run_dir,
                        "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})

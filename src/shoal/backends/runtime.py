@@ -123,6 +123,9 @@ class OciRuntime:
     #: the /proc entries a bind mount may cover (None: any); the node masks the others with the runtime's
     #: own maskedPaths instead (see shoal.backends.oci.build_config)
     proc_binds: frozenset[str] | None = None
+    #: mounts a tmpfs of its own at an empty /tmp unless the config mounts something there (see
+    #: shoal.backends.oci.build_config's bind_tmp)
+    own_tmp = False
     #: where the runtime keeps a container's state (root's default `--root`); None: only `delete` may remove it
     state_root: Path | None = None
 
@@ -236,6 +239,7 @@ class GvisorRuntime(OciRuntime):
 
     kill_all = False
     passes_fds = False
+    own_tmp = True
 
     def default_global_args(self) -> list[str]:
         """The platform and cgroup mode on every call (ptrace works without KVM). shoal's seccomp profile is
