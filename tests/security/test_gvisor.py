@@ -1,7 +1,7 @@
 """Item 11 of issue 19: gVisor (Debian 12's runsc, ptrace platform) as `runtime="gvisor"`.
 
 The whole container suite also runs under it (`SHOAL_RUNTIME=gvisor pytest tests/integration/test_container.py`:
-22 passed, 6 skipped for the differences docs/security.md lists); this module keeps the essentials in every
+24 passed, 4 skipped for the differences docs/security.md lists); this module keeps the essentials in every
 run: a gVisor sandbox does what a crun one does, shows no host paths, refuses the same kernel interfaces,
 and reaches the (test-made) internet with network=True."""
 
