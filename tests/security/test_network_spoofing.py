@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal.node.network import BRIDGE, GATEWAY, mac_for
 from tests.security.netlab import UDP_SINK, Internet
 
 pytestmark = [pytest.mark.root]
@@ -139,3 +140,21 @@ async def test_forged_source_addresses_never_leave_the_host(client: shoal.Client
     assert all(ln.split()[0] == net.host_ip for ln in got), got
     # ...and neither forged source got through (under its own address or NATed as the victim's)
     assert not [ln for ln in got if "outsider" in ln or "as-victim" in ln], got
+
+
+async def test_the_gateway_mac_outlives_other_sandboxes(client: shoal.Client) -> None:
+    """The bridge's MAC is fixed (mac_for(GATEWAY)): left to the kernel it follows the lowest port MAC and
+    changed whenever that sandbox went, leaving every other sandbox's cached gateway MAC stale (this
+    session saw it flip three times in a few minutes while other sandboxes came and went)."""
+    a = await client.create("base", network=True)
+    for _ in range(3):
+        b = await client.create("base", network=True)
+        await b.close()
+    assert Path(f"/sys/class/net/{BRIDGE}/addr_assign_type").read_text().strip() == "3"  # set, not random
+    mac = Path(f"/sys/class/net/{BRIDGE}/address").read_text().strip()
+    assert mac == mac_for(GATEWAY)
+    probe = (f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('{GATEWAY}', 9)); "
+             "print(open('/proc/net/arp').read())")
+    r = await a.exec(["python3", "-c", probe])
+    assert mac in r.stdout.decode(), r.stdout
+    await a.close()

@@ -213,6 +213,12 @@ class NetworkManager:
             if run_sync(["ip", "link", "show", BRIDGE]).returncode != 0:
                 run_sync(["ip", "link", "add", BRIDGE, "type", "bridge"], check=True)
                 run_sync(["ip", "addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE], check=True)
+            # the bridge's own MAC is fixed: left to the kernel it is the lowest of its ports' and changes when
+            # that sandbox goes, and every other sandbox's cached gateway MAC goes stale (its traffic to the
+            # host and out is lost until its neighbour entry is revalidated). 3: NET_ADDR_SET
+            with contextlib.suppress(OSError):
+                if Path(f"/sys/class/net/{BRIDGE}/addr_assign_type").read_text().strip() != "3":
+                    run_sync(["ip", "link", "set", BRIDGE, "address", mac_for(GATEWAY)], check=True)
             run_sync(["ip", "link", "set", BRIDGE, "up"], check=True)
             Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
             # strict reverse-path filter: a source address that would not be routed back out of shoal0 is dropped
