@@ -161,6 +161,29 @@ def test_pages_filter_count_sort_and_slice_50000_rows() -> None:
     assert all(r["memory_mb"] == 256 for r in by_mem["items"])
 
 
+@pytest.mark.skipif(not AGENT_BUILT, reason="the agent is not built: run `make agent`")
+async def test_the_index_shows_own_changes_at_once_and_catches_up_in_the_background(node: Node) -> None:
+    from shoal.server.observe import SandboxIndex
+    from shoal.spec import SandboxSpec
+
+    idx = SandboxIndex(node, max_age_s=0.2)
+    assert await idx.fresh() == [] and idx.builds == 1
+    a = await node.create(SandboxSpec(image="t:1", backend="fake"))
+    assert [r["id"] for r in await idx.fresh()] == [a.id] and idx.builds == 2  # its own create: rebuilt first
+    # a record this node's log did not announce (another process sharing the home): the index has "seen" the
+    # event counter already, so only its age makes it rebuild
+    b = await node.create(SandboxSpec(image="t:1", backend="fake"))
+    idx._seen = node.events.counts.total()
+    assert [r["id"] for r in await idx.fresh()] == [a.id]  # younger than max_age_s: as it is
+    await asyncio.sleep(0.25)
+    rows = await idx.fresh()  # expired: answered at once with the old rows, rebuilt in the background
+    assert [r["id"] for r in rows] == [a.id]
+    assert idx._bg is not None
+    await idx._bg
+    assert {r["id"] for r in await idx.fresh()} == {a.id, b.id} and idx.builds == 3
+    await idx.stop()
+
+
 def test_pages_of_several_nodes_merge_like_one() -> None:
     rows = _rows(3000, time.time())
     q = SandboxQuery(states=("paused",), offset=40, limit=25)

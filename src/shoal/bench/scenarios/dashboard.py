@@ -119,7 +119,9 @@ async def page_load(ctx: BenchContext, p: DashboardParams) -> dict:
                                                             args=_ARGS, viewport={"width": 1400, "height": 900})
             try:
                 for _ in range(p.loads):
-                    await asyncio.sleep(1.2)  # past the index's max age: every load rebuilds it (the cold case)
+                    # past the index's max age: the first load waits for its first build (the cold case), the
+                    # later ones are answered from the index while it is rebuilt in the background
+                    await asyncio.sleep(1.2)
                     page = await br.new_page()
                     await page.goto(url)
                     await page.wait_for_function("document.querySelectorAll('#sandboxes tbody tr').length >= "
@@ -132,6 +134,7 @@ async def page_load(ctx: BenchContext, p: DashboardParams) -> dict:
                 await br.close()
         view = app.state.shoal.view
         out.update({"load_ms": [round(x, 1) for x in loads], "load_median_ms": round(statistics.median(loads), 1),
+                    "first_load_ms": round(loads[0], 1), "index_builds": view.index.builds,
                     "load_max_ms": round(max(loads), 1), "api_ms": [round(x, 1) for x in api_ms],
                     "index_build_ms": round(view.index.build_s * 1000, 1), "range_text": total})
     finally:
@@ -190,7 +193,8 @@ async def run(ctx: BenchContext, p: DashboardParams) -> ScenarioResult:
     pl = await page_load(ctx, p)
     res.data["page_load"] = pl
     res.add(Metric(f"sandbox list page load, {pl['alive']:,} alive (browser)", pl.get("load_median_ms"), None,
-                   "ms", note=f"max {pl.get('load_max_ms')} ms; index build {pl.get('index_build_ms')} ms"))
+                   "ms", note=f"first (cold index) {pl.get('first_load_ms')} ms, max {pl.get('load_max_ms')} ms; "
+                   f"index build {pl.get('index_build_ms')} ms"))
     return res
 
 
