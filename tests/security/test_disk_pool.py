@@ -51,10 +51,13 @@ async def test_full_pool_refuses_creates_and_spares_bystanders(small_pool_home: 
             rs.append(await node.exec(w.id, "dd if=/dev/zero of=/root/fill bs=1M count=4000 conv=fsync 2>&1; "
                                       "sync", timeout=600))
         assert any(b"Disk quota exceeded" in r.stdout for r in rs), [r.stdout[-300:] for r in rs]
-        # the bystander still writes (6 bytes, and a little more), and reads it back
+        # the bystander still writes (6 bytes, and a little more), reads it back, and makes 20,000 new files:
+        # metadata still has room (a 1 GiB pool without mixed block groups left data chunks holding all of the
+        # disk and 8 MiB of metadata: ENOSPC at the 13,038th file, or at the first under load)
         r = await node.exec(bystander.id, "echo hello > /root/six && head -c 4M /dev/urandom > /root/more "
-                            "&& sync && cat /root/six")
-        assert (r.exit_code, r.stdout) == (0, b"hello\n"), r
+                            "&& sync && cat /root/six && mkdir /root/many && cd /root/many "
+                            "&& seq 20000 | xargs touch && ls | wc -l")
+        assert (r.exit_code, r.stdout) == (0, b"hello\n20000\n"), r
         assert "disk_clamped_mb" in (await node.get(writers[1].id)).extra
         # the pool is in its reserve: new creates are refused, not handed a disk they cannot write
         with pytest.raises(CapacityExceeded, match=r"disk pool has \d+ MiB free.*disk_mb=64"):

@@ -81,7 +81,7 @@ class DiskGuard:
         return st.f_blocks * st.f_frsize, max(0, free)
 
     def _sysfs(self) -> Path | None:
-        # /sys/fs/btrfs/<fsid>/allocation/data, found once per mounted pool (BTRFS_IOC_FS_INFO)
+        # /sys/fs/btrfs/<fsid>/allocation/data (or mixed), found once per mounted pool (BTRFS_IOC_FS_INFO)
         fd = self.pool._fd
         if fd is None:
             return None
@@ -91,8 +91,12 @@ class DiskGuard:
                 buf = bytearray(1024)
                 fcntl.ioctl(fd, _FS_INFO, buf)
                 fsid = uuid.UUID(bytes=bytes(buf[16:32]))
-                d = Path(f"/sys/fs/btrfs/{fsid}/allocation/data")
-                self._sysfs_dir = d if d.is_dir() else None
+                # a pool with mixed block groups (small pools, shoal.node.disk) has one space for both
+                for kind in ("data", "mixed"):
+                    d = Path(f"/sys/fs/btrfs/{fsid}/allocation/{kind}")
+                    if d.is_dir():
+                        self._sysfs_dir = d
+                        break
         return self._sysfs_dir
 
     def under_pressure(self) -> bool:
