@@ -349,6 +349,8 @@ class Settings:
                                     _optional(SIZE), default_doc="leave swap alone")
     sandbox_swap: str = setting("auto", "node", "swap a running container may use: auto = as much as its "
                                 "memory, 0 = none, or a size", SWAP_POLICY)
+    swap_demote: bool = setting(True, "node", "a sandbox swapping past its memory limit runs as cpu_class batch "
+                                "until it is back under it (cgroup v1 memory; shoal.node.swapwatch)", BOOL)
     sandbox_tmpfs: bool = setting(True, "node", "container sandbox directories live on a tmpfs", BOOL)
     disk_limits: bool = setting(True, "node", "per-sandbox disk limits (btrfs qgroups on the upper pool)", BOOL)
     upper_pool_gb: int = setting(0, "node", "size of the upper pool (GiB); 0 = half the free disk, 2-1024",

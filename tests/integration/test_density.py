@@ -12,6 +12,7 @@ import shoal
 from shoal.host import cgroups, oom
 from shoal.host.memory import meminfo
 from shoal.node.protect import SANDBOX_PARENT, auto_reserve_mb
+from tests.waiting import async_wait_for
 
 pytestmark = [pytest.mark.root]
 
@@ -196,3 +197,44 @@ async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Clien
     await inter.close()
     if not v2:
         assert not (cgroups.CGROUP_ROOT / "cpu" / cpuclass.BATCH_PARENT / batch.id).exists()
+
+
+async def test_a_sandbox_swapping_past_its_limit_runs_as_batch_until_it_stops(client: shoal.Client) -> None:
+    """shoal.node.swapwatch: memory + swap past memory_mb + 16 MiB moves the sandbox to the batch class;
+    back under it (here: the holder killed), it returns to its own class; page cache never counts."""
+    from shoal.node import cpuclass, swapwatch
+    from shoal.node.reclaim import sandbox_swap_mb
+
+    node = client.transport.node
+    if cgroups.cgroup_mode() == "v2" or not swapwatch.supported():
+        pytest.skip("swap thresholds need the cgroup v1 memory controller with swap accounting")
+    if node.backend("container").swap_watch is None or not sandbox_swap_mb(64):
+        pytest.skip("no swap for sandboxes on this host")
+    sb = await client.create("base", memory_mb=64)
+    assert node.backend("container").swap_watch.watching(sb.id)
+    away = f"/{cpuclass.BATCH_PARENT}/{sb.id}"
+    # 100 MiB of page cache in a 64 MiB sandbox: reclaimed, never swapped, so it stays interactive
+    r = await sb.exec("head -c 100M /dev/urandom > /tmp/cache && cat /tmp/cache > /dev/null && rm /tmp/cache")
+    assert r.exit_code == 0, r
+    agent = node.record(sb.id).init_pid
+    assert _cpu_cgroup(agent) == f"/shoal/{sb.id}"
+    # a process holding 100 MiB of anonymous memory: 36 MiB of it in swap, past the line
+    await sb.exec("head -c 100M /dev/zero | tail -c 100M | sleep 600 >/dev/null 2>&1 &")
+    await async_wait_for(lambda: _cpu_cgroup(agent) == away, timeout=30, what="the swapping sandbox moved to batch")
+    info = await client.get(sb.id)
+    assert "cpu_demoted" in info.info.extra
+    holder = next(p for p in cgroups.SandboxCgroup(node.record(sb.id).cgroup).pids() if p != agent
+                  and Path(f"/proc/{p}/comm").read_text().strip() == "tail")
+    assert _cpu_cgroup(holder) == away
+    assert (await sb.exec("pkill tail; echo ok")).stdout == b"ok\n"
+    await async_wait_for(lambda: _cpu_cgroup(agent) == f"/shoal/{sb.id}", timeout=30,
+                   what="the sandbox back in its own class once it stopped swapping")
+    assert "cpu_demoted" not in (await client.get(sb.id)).info.extra
+    await async_wait_for(lambda: not cpuclass.batch_cgroup(sb.id).exists(), timeout=30,
+                         what="its batch cgroup removed once the killed processes were reaped")
+    # and demoted at close: nothing is left behind
+    await sb.exec("head -c 100M /dev/zero | tail -c 100M | sleep 600 >/dev/null 2>&1 &")
+    await async_wait_for(lambda: _cpu_cgroup(agent) == away, timeout=30, what="demoted again")
+    await sb.close()
+    assert not (cgroups.CGROUP_ROOT / "cpu" / cpuclass.BATCH_PARENT / sb.id).exists()
+    assert not node.backend("container").swap_watch.watching(sb.id)

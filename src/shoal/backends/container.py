@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import signal
@@ -30,13 +31,15 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
-from shoal.node import cpuclass, disk_guard
+from shoal.node import cpuclass, disk_guard, swapwatch
 from shoal.node.disk import UpperPool
 from shoal.node.faults import crash_point
 from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
 from shoal.node.records import SandboxRecord, proc_starttime
 from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
 from shoal.spec import SandboxSpec
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
@@ -164,6 +167,9 @@ class ContainerBackend(Backend):
         self.guestfs = GuestFiles(ctx.paths, ctx.agent_binary)
         #: keeps the upper pool's reserve for bystanders while this process has sandboxes (shoal.node.disk_guard)
         self._disk_guard: asyncio.Task | None = None
+        #: sandboxes swapping past their memory limit run as batch while they do (shoal.node.swapwatch)
+        self.swap_watch = swapwatch.SwapWatch() if settings().swap_demote and swapwatch.supported() else None
+        self._cpu_own: dict[str, str] = {}  # the class each watched sandbox returns to
 
     @property
     def statuses(self) -> dict[str, RuntimeStatus]:
@@ -210,8 +216,37 @@ class ContainerBackend(Backend):
         if self._disk_guard is None:
             self._disk_guard = asyncio.create_task(disk_guard.watch(self.upper_pool), name="shoal-disk-guard")
 
+    def _watch_swap(self, rec: SandboxRecord) -> None:
+        if self.swap_watch is None or not rec.cgroup or self.swap_watch.watching(rec.id):
+            return
+        own = str(rec.spec.get("cpu_class") or cpuclass.DEFAULT_CPU_CLASS)
+        if own == cpuclass.BATCH:
+            return
+        cgroup, cpus, sid = rec.cgroup, float(rec.spec.get("cpus", 1.0)), rec.id
+
+        def crossed(over: bool) -> None:
+            cls = self._cpu_own.get(sid, own)
+            if cls == cpuclass.BATCH:
+                return  # put in batch by its owner meanwhile: nothing to change either way
+            cpuclass.apply(cgroup, cpuclass.BATCH if over else cls, cpus, rec.init_pid)
+            if not over:
+                # the killed processes stay in the batch cgroup until reaped: remove it once they are
+                loop = asyncio.get_running_loop()
+                for delay in (0.2, 1.0, 5.0):
+                    loop.call_later(delay, lambda: self.swap_watch is not None and not self.swap_watch.over(sid)
+                                    and cpuclass.forget(sid, wait_s=0))
+            log.info("sandbox %s %s", sid, "swaps past its memory limit: batch until it stops" if over
+                     else f"is back under its memory limit: {cls} again")
+
+        self._cpu_own[sid] = own
+        if not self.swap_watch.watch(sid, cgroup, int(rec.spec.get("memory_mb") or 0) << 20, crossed):
+            self._cpu_own.pop(sid, None)
+
     async def close(self) -> None:
         """Stop this process's disk guard (sandboxes keep running; the next node process watches them)."""
+        if self.swap_watch is not None:
+            self.swap_watch.close()
+            self._cpu_own.clear()
         if self._disk_guard is not None:
             self._disk_guard.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -315,6 +350,8 @@ class ContainerBackend(Backend):
             protect_agent(pid)
             # the runtime set cpus as quota and shares; the class adds burst, or makes the sandbox idle
             rec.extra["cpu"] = cpuclass.apply(rec.cgroup, spec.cpu_class, spec.cpus, pid)
+            if swap_mb:
+                self._watch_swap(rec)
             # the runtime keeps its own copy of the config; these would only take memory on a tmpfs
             for name in ("init.pid", "config.json"):
                 with contextlib.suppress(OSError):
@@ -357,6 +394,7 @@ class ContainerBackend(Backend):
         """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
         if rec.extra.get("projid"):
             self._ensure_guard()
+        self._watch_swap(rec)  # a sandbox made by an earlier node process (idempotent)
         task = self._connecting.pop(rec.id, None)
         if task is not None:
             try:
@@ -368,6 +406,10 @@ class ContainerBackend(Backend):
     async def destroy(self, rec: SandboxRecord) -> None:
         """Kill, unmount, release layers, remove cgroups, network and the directory. Idempotent."""
         errors: list[str] = []
+        # stop watching first: a class change racing the teardown could make a cgroup again
+        demoted = self.swap_watch is not None and self.swap_watch.unwatch(rec.id)
+        if self._cpu_own.pop(rec.id, None) is not None and not demoted:
+            demoted = cpuclass.batch_cgroup(rec.id).exists()  # back in its class, its batch cgroup not removed yet
         if rec.cid:
             try:
                 rt = make_runtime(rec.runtime, self.statuses[rec.runtime].binary or rec.runtime) \
@@ -387,7 +429,8 @@ class ContainerBackend(Backend):
             if cgroups.exists_anywhere(rec.cgroup):
                 errors.append(f"cgroup {rec.cgroup} could not be removed")
         # a batch sandbox's cpu cgroup beside /shoal (empty once its killed processes are gone)
-        if (rec.extra.get("cpu") or {}).get("cgroup") and not await asyncio.to_thread(cpuclass.forget, rec.id):
+        if ((rec.extra.get("cpu") or {}).get("cgroup") or demoted) and \
+                not await asyncio.to_thread(cpuclass.forget, rec.id):
             errors.append(f"cpu cgroup /{cpuclass.BATCH_PARENT}/{rec.id} still has processes")
         crash_point("close.runtime")
         rootfs = str(rec.path / "rootfs")
@@ -469,6 +512,8 @@ class ContainerBackend(Backend):
         """Move the running sandbox's processes to another CPU class (shoal.node.cpuclass)."""
         if not rec.cgroup:
             raise SandboxError(f"sandbox {rec.id} has no cgroup to put in a CPU class")
+        if rec.id in self._cpu_own:
+            self._cpu_own[rec.id] = cpu_class  # where it returns once it stops swapping past its limit
         return await asyncio.to_thread(cpuclass.apply, rec.cgroup, cpu_class, float(rec.spec.get("cpus", 1.0)),
                                        rec.init_pid)
 
@@ -485,6 +530,8 @@ class ContainerBackend(Backend):
             out["egress"] = self.ctx.network().egress_stats(rec)
         if "cpu" in rec.extra:
             out["cpu"] = rec.extra["cpu"]  # its CPU class and what was set for it (shoal.node.cpuclass)
+        if self.swap_watch is not None and self.swap_watch.over(rec.id):
+            out["cpu_demoted"] = "batch while it swaps past its memory limit (shoal.node.swapwatch)"
         # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
         out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
         return out

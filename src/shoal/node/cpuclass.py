@@ -173,10 +173,15 @@ def apply(cgroup: str, cls: str, cpus: float, pid: int | None = None, *, root: P
     return out
 
 
+def batch_cgroup(sandbox_id: str, root: Path | None = None) -> Path:
+    """Where a batch sandbox's processes live in the cpu hierarchy on cgroup v1."""
+    return (root or cgroups.CGROUP_ROOT) / "cpu" / BATCH_PARENT / sandbox_id
+
+
 def forget(sandbox_id: str, root: Path | None = None, wait_s: float = 2.0) -> bool:
     """Remove a closed sandbox's batch cpu cgroup (cgroup v1), waiting up to `wait_s` for its killed
     processes to leave it. True when it is gone (or never existed). Blocking: run it in a thread."""
-    d = (root or cgroups.CGROUP_ROOT) / "cpu" / BATCH_PARENT / sandbox_id
+    d = batch_cgroup(sandbox_id, root)
     deadline = time.monotonic() + wait_s
     while True:
         try:

@@ -43,6 +43,8 @@ class DensityParams:
     abuse_at: int = param(2000, quick=100, help="run the abuse phase once this many idle sandboxes are alive (0: skip)")
     bombs: int = param(20, quick=4, help="memory-bomb sandboxes in the abuse phase")
     bomb_mb: int = param(256, quick=128, help="memory_mb of each bomb sandbox")
+    bomb_class: str = param("interactive", help="cpu_class the bomb sandboxes are created with (batch: the "
+                            "policy's best case, to compare with)")
     abuse_s: float = param(20.0, quick=8.0, help="seconds over which the bombs go off")
     probe_n: int = param(300, quick=100, help="probe execs measured before and after the bombs")
     holders: int = param(16, quick=6, help="idle sandboxes holding memory in the pressure phase (0: skip)")
@@ -126,7 +128,8 @@ async def shoal_density(ctx: BenchContext, target: int, step: int, sz: DensityPa
                 break
             if sz is not None and sz.abuse_at and abuse is None and len(ids) >= sz.abuse_at:
                 ctx.log(f"abuse phase: {sz.bombs} memory bombs beside {len(ids)} idle sandboxes")
-                abuse = await oversub.abuse(ctx, list(ids), sz.bombs, sz.bomb_mb, sz.abuse_s, sz.probe_n)
+                abuse = await oversub.abuse(ctx, list(ids), sz.bombs, sz.bomb_mb, sz.abuse_s, sz.probe_n,
+                                            bomb_class=sz.bomb_class)
                 ctx.log(f"abuse: {abuse['oom_kills_in_bombs']} OOM kills in {abuse['bombs_killed']} bombs, "
                         f"{abuse['oom_kills_outside_bombs']} elsewhere, {abuse['idle_agents_lost']} agents and "
                         f"{abuse['watched_lost']} watched processes lost, probe p99 ×{abuse['probe_p99_ratio']}")

@@ -71,7 +71,7 @@ async def _probe(ctx: BenchContext, sid: str, n: int) -> list[float]:
 
 
 async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int, seconds: float, probe_n: int,
-                watch: int = 200) -> dict[str, Any]:
+                watch: int = 200, bomb_class: str = "interactive") -> dict[str, Any]:
     """The abuse phase (see the module docstring), beside `idle_ids`."""
     node = ctx.node
     probe = (await node.create(spec(ctx, memory_mb=256))).id
@@ -80,7 +80,7 @@ async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int
                                    return_exceptions=True)
     watched = [s for s, r in zip(pick, started, strict=True) if not isinstance(r, BaseException) and r.exit_code == 0]
     watch_errors = [str(r)[:200] for r in started if isinstance(r, BaseException)]
-    made = await node.create_many(spec(ctx, memory_mb=bomb_mb), bombs)
+    made = await node.create_many(spec(ctx, memory_mb=bomb_mb, cpu_class=bomb_class), bombs)
     bomb_ids = [i.id for i in made if not isinstance(i, ShoalError)]
     try:
         await _probe(ctx, probe, 20)  # warm the probe's path
@@ -111,7 +111,8 @@ async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int
         await asyncio.gather(*(node.exec(s, "pkill sleep") for s in watched), return_exceptions=True)
     idle_p99 = max(percentile(before, 99), percentile(after, 99))
     dur_p99 = percentile(during, 99)
-    return {"idle_alive": len(idle_ids), "bombs": len(bomb_ids), "bomb_mb": bomb_mb, "seconds": seconds,
+    return {"idle_alive": len(idle_ids), "bombs": len(bomb_ids), "bomb_mb": bomb_mb, "bomb_class": bomb_class,
+            "seconds": seconds,
             "bomb_errors": [str(r)[:200] for r in results if isinstance(r, BaseException)][:3],
             "oom_kills_in_bombs": sum(kills.values()), "bombs_killed": sum(1 for k in kills.values() if k > 0),
             "bomb_agents_alive": bombs_alive, "host_oom_kills": vm1 - vm0,

@@ -1,0 +1,142 @@
+"""A sandbox swapping past its memory limit runs as `batch` while it does (issue 16, item 3).
+
+A memory bomb — or any process whose memory outgrows its sandbox — spends its last seconds faulting
+pages in and pushing older ones out to swap (zram: compressing them) until the OOM killer ends it.
+That is CPU work done at the `interactive` class's weight, taken from the short agent steps of every
+other sandbox: with 20 bombs beside 2,000 idle sandboxes a probe sandbox's exec p99 was 11.4× its idle
+value. The sandbox doing it is not latency-sensitive any more; it is thrashing.
+
+The node asks the kernel to tell it when a sandbox's memory + swap passes its memory limit by `MARGIN`
+(a cgroup v1 memory threshold on `memory.memsw.usage_in_bytes`, signalled on an eventfd, in both
+directions). Memory + swap is the right figure: page cache never counts past the limit (it is dropped,
+never swapped) and a paused sandbox reclaimed to swap does not change it, so only anonymous memory
+beyond the limit crosses the line. Past it, the sandbox's processes move to the `batch` class
+(shoal.node.cpuclass: SCHED_IDLE, only CPU time nobody else wants); once memory + swap is back under
+the line (the OOM killer ended the bomb, or the process freed memory) the sandbox returns to its own
+class. No polling: one eventfd per watched sandbox, read by the node's event loop.
+
+Not watched: sandboxes whose class is `batch` already, sandboxes without swap (at their limit they are
+OOM-killed at once), and hosts whose memory controller is cgroup v2 (it has no usage thresholds; there
+the sandbox keeps its class — docs/sandboxes.md says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.host import cgroups
+
+log = logging.getLogger(__name__)
+
+#: how far past its memory limit memory + swap must go before a sandbox counts as thrashing (bytes)
+MARGIN = 16 << 20
+
+
+@dataclass
+class _Watch:
+    usage: Path
+    line: int
+    efd: int
+    on_cross: Callable[[bool], None]
+    over: bool = field(default=False)
+
+
+def supported(root: Path | None = None) -> bool:
+    """True when this host's memory controller can signal thresholds on memory + swap (cgroup v1 with
+    swap accounting)."""
+    base = root or cgroups.CGROUP_ROOT
+    return (base / "memory" / "memory.memsw.usage_in_bytes").exists() and \
+        (base / "memory" / "cgroup.event_control").exists()
+
+
+class SwapWatch:
+    """The thresholds of one node process (see the module docstring)."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or cgroups.CGROUP_ROOT
+        self._watches: dict[str, _Watch] = {}
+
+    def watching(self, sandbox_id: str) -> bool:
+        """True while the sandbox has a threshold set."""
+        return sandbox_id in self._watches
+
+    def over(self, sandbox_id: str) -> bool:
+        """True while the sandbox's memory + swap is past its line (as last signalled)."""
+        w = self._watches.get(sandbox_id)
+        return bool(w and w.over)
+
+    def watch(self, sandbox_id: str, cgroup: str, memory_limit: int, on_cross: Callable[[bool], None]) -> bool:
+        """Set the threshold `memory_limit + MARGIN` on the sandbox's memory + swap; `on_cross(over)` is
+        called from the event loop each time it is crossed. False when the host cannot (nothing set).
+        Idempotent. Must run in the event loop."""
+        if sandbox_id in self._watches:
+            return True
+        d = self.root / "memory" / cgroup.strip("/")
+        usage = d / "memory.memsw.usage_in_bytes"
+        line = int(memory_limit) + MARGIN
+        try:
+            efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except OSError as e:
+            log.warning("swap watch for %s: no eventfd: %s", sandbox_id, e)
+            return False
+        try:
+            ufd = os.open(usage, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                # the kernel keeps only the eventfd: the usage file's descriptor may close at once
+                (d / "cgroup.event_control").write_text(f"{efd} {ufd} {line}")
+            finally:
+                os.close(ufd)
+        except OSError as e:
+            os.close(efd)
+            log.debug("swap watch for %s not set: %s", sandbox_id, e)
+            return False
+        w = _Watch(usage, line, efd, on_cross)
+        self._watches[sandbox_id] = w
+        asyncio.get_running_loop().add_reader(efd, self._signalled, sandbox_id)
+        self._signalled(sandbox_id, initial=True)  # it may be past the line already (adopted sandboxes)
+        return True
+
+    def _signalled(self, sandbox_id: str, initial: bool = False) -> None:
+        w = self._watches.get(sandbox_id)
+        if w is None:
+            return
+        if not initial:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.eventfd_read(w.efd)
+        try:
+            now = int(w.usage.read_text())
+        except (OSError, ValueError):
+            # the kernel signals the eventfd when the cgroup is removed: the sandbox is gone
+            self.unwatch(sandbox_id)
+            return
+        over = now >= w.line
+        if over == w.over:
+            return
+        w.over = over
+        try:
+            w.on_cross(over)
+        except Exception as e:  # a failed class change must not stop the watch
+            log.warning("swap watch for %s: %s", sandbox_id, e)
+
+    def unwatch(self, sandbox_id: str) -> bool:
+        """Stop watching (the sandbox is closing). True when it was past its line. The threshold goes with
+        the cgroup; closing the eventfd here is enough for this process."""
+        w = self._watches.pop(sandbox_id, None)
+        if w is None:
+            return False
+        with contextlib.suppress(RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_reader(w.efd)
+        with contextlib.suppress(OSError):
+            os.close(w.efd)
+        return w.over
+
+    def close(self) -> None:
+        """Stop every watch (the node stops; the next node process sets them again)."""
+        for sid in list(self._watches):
+            self.unwatch(sid)
