@@ -77,8 +77,11 @@ class Timed:
 
 
 async def closed_loop(fn: Callable[[], Awaitable[Any]], concurrency: int, duration: float,
-                      advance: Callable[..., None] | None = None, max_items: int | None = None) -> Timed:
-    """`concurrency` workers call `fn` back to back for `duration` seconds (in-flight calls finish)."""
+                      advance: Callable[..., None] | None = None, max_items: int | None = None,
+                      on_item: Callable[[Any], Awaitable[Any]] | None = None) -> Timed:
+    """`concurrency` workers call `fn` back to back for `duration` seconds (in-flight calls finish).
+    `on_item(item)`, when given, is awaited by the worker after each success, before its next call (and
+    outside the timed latency)."""
     out = Timed(duration=duration)
     t0 = time.perf_counter()
     stop_at = t0 + duration
@@ -101,6 +104,8 @@ async def closed_loop(fn: Callable[[], Awaitable[Any]], concurrency: int, durati
             out.items.append(item)
             if advance:
                 advance()
+            if on_item is not None:
+                await on_item(item)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     out.wall = time.perf_counter() - t0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,41 +140,25 @@ async def sustained(ctx: BenchContext, concurrency: int, duration: float) -> tup
 
 async def interleaved(create: Callable[[], Awaitable[Any]], close: Callable[[Any], Awaitable[Any]], concurrency: int,
                       duration: float, advance: Callable[..., None] | None = None) -> tuple[Timed, list[float]]:
-    """The RL loop: each of `concurrency` workers creates a sandbox, then closes the one it made before, back
-    to back for `duration` s (so `concurrency` stay alive and every create competes with a teardown).
-    Returns the creates (latency, completion times) and the closes' latencies; the last ones are closed."""
-    out = Timed(duration=duration)
+    """The RL loop: `concurrency` workers create sandboxes back to back for `duration` s, and after each
+    create the worker closes the oldest one still alive, so `concurrency` stay alive and every create
+    competes with a teardown. Returns the creates (latency, completion times) and the closes' latencies;
+    the last ones are closed."""
+    alive: deque[Any] = deque()
     closes: list[float] = []
-    t0 = time.perf_counter()
-    stop_at = t0 + duration
-    leftovers: list[Any] = []
 
-    async def worker() -> None:
-        prev = None
-        while time.perf_counter() < stop_at:
-            s = time.perf_counter()
-            try:
-                item = await create()
-            except Exception as e:
-                out.errors.append(f"{type(e).__name__}: {e}"[:300])
-                continue
-            end = time.perf_counter()
-            out.latencies.append(end - s)
-            out.done_at.append(end - t0)
-            if advance:
-                advance()
-            if prev is not None:
-                c = time.perf_counter()
-                with contextlib.suppress(Exception):
-                    await close(prev)
-                closes.append(time.perf_counter() - c)
-            prev = item
-        if prev is not None:
-            leftovers.append(prev)
+    async def rotate(item: Any) -> None:
+        alive.append(item)
+        if len(alive) > concurrency:
+            old = alive.popleft()
+            c = time.perf_counter()
+            with contextlib.suppress(Exception):
+                await close(old)
+            closes.append(time.perf_counter() - c)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    out.wall = time.perf_counter() - t0
-    await asyncio.gather(*(close(x) for x in leftovers), return_exceptions=True)
+    out = await closed_loop(create, concurrency, duration, advance, on_item=rotate)
+    out.items.clear()  # closed, or closed below: nothing for the caller
+    await asyncio.gather(*(close(x) for x in alive), return_exceptions=True)
     return out, closes
 
 
