@@ -198,3 +198,21 @@ def rl_tasks(shoal_home: Path, base_image: str) -> list:
     tasks = asyncio.run(go())
     assert len(tasks) == 2
     return tasks
+
+
+@pytest.fixture
+def names() -> Iterator[list[str]]:
+    """Image refs (`name:tag`) a test makes; every tag of those names is removed afterwards (their layers go
+    at the store's gc). Names must be unique to the test (a random part)."""
+    from shoal.config import Paths
+    from shoal.images.store import ImageStore
+
+    made: list[str] = []
+    yield made
+    if not made:
+        return
+    store = ImageStore(Paths.from_env().store)
+    wanted = {ref.split(":")[0] for ref in made}
+    for img in store.list_images():
+        if img.name in wanted:
+            store.remove_image(img.ref)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,6 @@ from shoal.backends.oci import MASKED_PATHS
 from shoal.backends.registry import RUNTIMES, make_runtime
 from shoal.backends.runtime import RuntimeStatus, probe_runtimes
 from shoal.config import Paths
-from shoal.images.store import ImageStore
 
 pytestmark = [pytest.mark.root]
 
@@ -55,17 +54,6 @@ async def rclient(runtime: str) -> AsyncIterator[shoal.Client]:
     async with shoal.Client() as c:
         yield c
 
-
-@pytest.fixture
-def names() -> Iterator[list[str]]:
-    """Image refs a test tags; untagged afterwards."""
-    made: list[str] = []
-    yield made
-    store = ImageStore(Paths.from_env().store)
-    for ref in made:
-        for img in store.list_images():
-            if img.ref == ref:
-                store.remove_image(img.ref)
 
 
 def _leftovers(client: shoal.Client, runtime: str, sb_id: str) -> list[str]:

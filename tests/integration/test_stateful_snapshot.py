@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,6 @@ from tests.conftest import runtime_containers
 
 pytestmark = [pytest.mark.root]
 
-
-@pytest.fixture
-def names() -> Iterator[list[str]]:
-    """Image names the test makes; their tags are removed afterwards (layers go at the store's gc)."""
-    made: list[str] = []
-    yield made
-    store = ImageStore(Paths.from_env().store)
-    for ref in made:
-        for img in store.list_images():
-            if img.name == ref.split(":")[0]:
-                store.remove_image(img.ref)
 
 
 def _name(names: list[str], stem: str = "snap") -> str:
