@@ -17,16 +17,9 @@ from shoal.images.archive import layer_tar
 from shoal.images.pack import OPAQUE_XATTR, clean_upper, pack_upper
 from shoal.images.store import ImageStore
 from shoal.images.unpack import unpack_layer
+from tests.uppers import make_upper
 
 pytestmark = [pytest.mark.root]
-
-
-def _upper(tmp_path: Path) -> Path:
-    up = tmp_path / "upper"
-    for d in (".shoal", "proc", "sys", "dev", "etc"):
-        (up / d).mkdir(parents=True)
-    (up / "etc" / "resolv.conf").write_bytes(b"")
-    return up
 
 
 def _unpack(tmp_path: Path, data: bytes) -> Path:
@@ -37,7 +30,7 @@ def _unpack(tmp_path: Path, data: bytes) -> Path:
 
 
 def test_pack_upper_keeps_meaning_and_drops_bookkeeping(tmp_path: Path) -> None:
-    up = _upper(tmp_path)
+    up = make_upper(tmp_path)
     (up / "data").mkdir()
     (up / "data" / "f").write_text("kept")
     os.setxattr(up / "data", OPAQUE_XATTR, b"y")

@@ -5,18 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from shoal.images.pack import runtime_excludes, upper_is_empty
-
-
-def _upper(tmp_path: Path) -> Path:
-    up = tmp_path / "upper"
-    for d in (".shoal", "proc", "sys", "dev", "etc"):
-        (up / d).mkdir(parents=True)
-    (up / "etc" / "resolv.conf").write_bytes(b"")
-    return up
+from tests.uppers import make_upper
 
 
 def test_runtime_artifacts_are_not_changes(tmp_path: Path) -> None:
-    up = _upper(tmp_path)
+    up = make_upper(tmp_path)
     assert set(runtime_excludes(up, network=True)) == {".shoal", "proc", "sys", "dev", "etc/resolv.conf"}
     assert upper_is_empty(up, network=True)
     assert not upper_is_empty(up, network=False), "without network, an empty resolv.conf is the sandbox's"
