@@ -622,6 +622,10 @@ class Node(DataPlane):
             from shoal.node import cpuclass
 
             await asyncio.to_thread(cpuclass.sweep)  # batch cpu cgroups of sandboxes closed while no node ran
+            from shoal.backends.runtime_state import sweep_stale
+
+            # crun/runc state of stopped containers whose home was deleted (a killed bench run)
+            out["runtime_states_removed"] = len(await asyncio.to_thread(sweep_stale))
         self.scheduling.recount(list_records(self.paths.sandboxes))
         return out
 
