@@ -40,6 +40,8 @@ from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
 from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
+#: how long a pause waits for the freezer to report every process frozen
+FREEZE_TIMEOUT_S = 10.0
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
@@ -486,8 +488,38 @@ class ContainerBackend(Backend):
                 errors.append(str(e))
 
     async def pause(self, rec: SandboxRecord) -> None:
-        """Freeze every process of the sandbox."""
-        await self.runtime(rec.runtime).pause(rec.cid)
+        """Freeze every process of the sandbox; returns once the freezer says all are frozen."""
+        rt = self.runtime(rec.runtime)
+        await rt.pause(rec.cid)
+        if rec.cgroup and rt.freezes_cgroup:
+            await self._until_frozen(rec, rt)
+
+    async def _until_frozen(self, rec: SandboxRecord, rt: OciRuntime, timeout: float = FREEZE_TIMEOUT_S) -> None:
+        # the runtime's pause can return while a v1 freezer is still FREEZING (a task in an uninterruptible
+        # sleep, e.g. mid-rename on a busy host: seen in CI, where `crun state` then said "running"); asking
+        # again retries the tasks that were busy
+        cg = cgroups.SandboxCgroup(rec.cgroup)
+        v2 = cg.mode == "v2"
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            if v2:
+                frozen = "frozen 1" in (cg.read("memory", "cgroup.events") or "")
+            else:
+                state = (cg.read("freezer", "freezer.state") or "").strip()
+                frozen = state in ("FROZEN", "")  # "": the cgroup is gone (the sandbox died): nothing runs
+            if frozen:
+                return
+            if time.monotonic() > deadline:
+                await rt.resume(rec.cid)  # not left half frozen
+                raise SandboxError(f"sandbox {rec.id} did not freeze within {timeout:g} s (a process stuck in "
+                                   "an uninterruptible sleep?); it keeps running: retry the pause")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+            if v2:
+                cg.write("memory", "cgroup.freeze", "1")
+            else:
+                cg.write("freezer", "freezer.state", "FROZEN")
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Thaw the sandbox."""

@@ -120,6 +120,8 @@ class OciRuntime:
     passes_fds = True
     #: `kill --all` exists
     kill_all = True
+    #: `pause` freezes the container's cgroup (the host's freezer), so the node can check it is frozen
+    freezes_cgroup = True
     #: the /proc entries a bind mount may cover (None: any); the node masks the others with the runtime's
     #: own maskedPaths instead (see shoal.backends.oci.build_config)
     proc_binds: frozenset[str] | None = None
@@ -238,6 +240,7 @@ class GvisorRuntime(OciRuntime):
     pids limits are then gVisor's own accounting, not the host's cgroups (docs/security.md)."""
 
     kill_all = False
+    freezes_cgroup = False  # pauses inside its own kernel (and runs with --ignore-cgroups on hybrid hosts)
     passes_fds = False
     own_tmp = True
 
