@@ -172,6 +172,7 @@ class ContainerBackend(Backend):
         #: sandboxes swapping past their memory limit run as batch while they do (shoal.node.swapwatch)
         self.swap_watch = swapwatch.SwapWatch() if settings().swap_demote and swapwatch.supported() else None
         self._cpu_own: dict[str, str] = {}  # the class each watched sandbox returns to
+        self._cpu_moves: dict[str, asyncio.Task] = {}  # its last class change, while it runs
 
     @property
     def statuses(self) -> dict[str, RuntimeStatus]:
@@ -226,19 +227,29 @@ class ContainerBackend(Backend):
             return
         cgroup, cpus, sid = rec.cgroup, float(rec.spec.get("cpus", 1.0)), rec.id
 
-        def crossed(over: bool) -> None:
+        async def move(over: bool, before: asyncio.Task | None) -> None:
+            if before is not None:
+                await asyncio.gather(before, return_exceptions=True)  # crossings apply in order
             cls = self._cpu_own.get(sid, own)
             if cls == cpuclass.BATCH:
                 return  # put in batch by its owner meanwhile: nothing to change either way
-            cpuclass.apply(cgroup, cpuclass.BATCH if over else cls, cpus, rec.init_pid)
-            if not over:
-                # the killed processes stay in the batch cgroup until reaped: remove it once they are
-                loop = asyncio.get_running_loop()
-                for delay in (0.2, 1.0, 5.0):
-                    loop.call_later(delay, lambda: self.swap_watch is not None and not self.swap_watch.over(sid)
-                                    and cpuclass.forget(sid, wait_s=0))
+            # in a thread: a write to cgroup.procs waits for the kernel's threadgroup lock (an RCU grace period)
+            await asyncio.to_thread(cpuclass.apply, cgroup, cpuclass.BATCH if over else cls, cpus, rec.init_pid)
             log.info("sandbox %s %s", sid, "swaps past its memory limit: batch until it stops" if over
                      else f"is back under its memory limit: {cls} again")
+            if not over:
+                # the killed processes stay in the batch cgroup until reaped: remove it once they are (one
+                # rmdir each time; a sandbox closed meanwhile had it removed by its close)
+                loop = asyncio.get_running_loop()
+                for delay in (0.2, 1.0, 5.0):
+                    loop.call_later(delay, lambda: self.swap_watch is not None and self.swap_watch.watching(sid)
+                                    and not self.swap_watch.over(sid) and cpuclass.forget(sid, wait_s=0))
+
+        def crossed(over: bool) -> None:
+            task = asyncio.get_running_loop().create_task(move(over, self._cpu_moves.get(sid)),
+                                                          name=f"shoal-cpu-class-{sid}")
+            self._cpu_moves[sid] = task
+            task.add_done_callback(lambda t: self._cpu_moves.get(sid) is t and self._cpu_moves.pop(sid, None))
 
         self._cpu_own[sid] = own
         if not self.swap_watch.watch(sid, cgroup, int(rec.spec.get("memory_mb") or 0) << 20, crossed):
@@ -249,6 +260,9 @@ class ContainerBackend(Backend):
         if self.swap_watch is not None:
             self.swap_watch.close()
             self._cpu_own.clear()
+            moves = list(self._cpu_moves.values())
+            self._cpu_moves.clear()
+            await asyncio.gather(*moves, return_exceptions=True)
         if self._disk_guard is not None:
             self._disk_guard.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -409,9 +423,13 @@ class ContainerBackend(Backend):
         """Kill, unmount, release layers, remove cgroups, network and the directory. Idempotent."""
         errors: list[str] = []
         # stop watching first: a class change racing the teardown could make a cgroup again
-        demoted = self.swap_watch is not None and self.swap_watch.unwatch(rec.id)
-        if self._cpu_own.pop(rec.id, None) is not None and not demoted:
-            demoted = cpuclass.batch_cgroup(rec.id).exists()  # back in its class, its batch cgroup not removed yet
+        demoted = False
+        if self.swap_watch is not None and self._cpu_own.pop(rec.id, None) is not None:
+            self.swap_watch.unwatch(rec.id)
+            moving = self._cpu_moves.pop(rec.id, None)
+            if moving is not None:  # a class change in flight finishes first (it could make a cgroup again)
+                await asyncio.gather(moving, return_exceptions=True)
+            demoted = cpuclass.batch_cgroup(rec.id).exists()  # its batch cgroup, if one is left
         if rec.cid:
             try:
                 rt = make_runtime(rec.runtime, self.statuses[rec.runtime].binary or rec.runtime) \

@@ -30,6 +30,7 @@ from shoal.bench.scenarios.common import close_all, spec
 from shoal.bench.stats import latency_summary, percentile
 from shoal.errors import ShoalError
 from shoal.host.cgroups import SandboxCgroup
+from shoal.node import cpuclass
 from shoal.node.reclaim import swap_status
 
 MIB = 2**20
@@ -94,8 +95,10 @@ async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int
         running = [asyncio.ensure_future(node.exec(b, BOMB.format(delay=rng.uniform(0, seconds * 0.8)),
                                                    timeout=seconds + 120)) for b in bomb_ids]
         during: list[float] = []
+        demoted: set[str] = set()  # bombs seen running as batch while they swapped (shoal.node.swapwatch)
         while time.perf_counter() - t0 < seconds or not all(r.done() for r in running):
             during += await _probe(ctx, probe, 20)
+            demoted |= {b for b in bomb_ids if cpuclass.batch_cgroup(b).exists()}
         results = await asyncio.gather(*running, return_exceptions=True)
         kills = {b: cgroup_oom_kills(node.record(b).cgroup) - kills0[b] for b in bomb_ids}
         vm1 = vmstat_oom_kills()
@@ -121,7 +124,8 @@ async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int
             "watch_setup_errors": watch_errors[:3], "watch_setup_failed": len(watch_errors),
             "probe_idle_before": latency_summary(before), "probe_during": latency_summary(during),
             "probe_idle_after": latency_summary(after),
-            "probe_p99_ratio": round(dur_p99 / idle_p99, 2) if idle_p99 else None}
+            "probe_p99_ratio": round(dur_p99 / idle_p99, 2) if idle_p99 else None,
+            "bombs_seen_demoted": len(demoted)}
 
 
 def _zram_used() -> int:
