@@ -374,7 +374,8 @@ class Settings:
                                "available memory minus what creates in flight are expected to take would fall "
                                "below this (MiB)", integer(0))
     admission_psi_full: float = setting(20.0, "admission", "refuse creates while all tasks were stalled on memory "
-                                        "more than this % of the last 10 s (PSI full avg10); 0 = ignore PSI",
+                                        "more than this % of the last 10 s (PSI full avg10) and under half the RAM is "
+                                        "available; 0 = ignore PSI",
                                         number(0, 100))
     host_reserve_mb: int = setting(0, "admission", "memory the sandboxes' parent cgroup leaves to the host and the "
                                    "node agent (MiB); 0 = 1/16 of RAM, 1-8 GiB", integer(0))

@@ -115,7 +115,7 @@ def test_expected_working_set_follows_measurements_and_is_capped_by_the_limit(tm
 
 
 def test_psi_pressure_refuses_and_can_be_ignored(tmp_path) -> None:
-    a = admission(tmp_path, host(psi_full=35.0))
+    a = admission(tmp_path, host(available=8 * GIB, psi_full=35.0))
     with pytest.raises(CapacityExceeded, match="stalled waiting for memory 35%") as ei:
         a.reserve(SandboxSpec())
     assert ei.value.details["reason"] == "pressure" and ei.value.retry_after_s > 0
@@ -124,6 +124,16 @@ def test_psi_pressure_refuses_and_can_be_ignored(tmp_path) -> None:
     # a kernel without PSI: nothing to refuse on
     b = admission(tmp_path, host(psi_full=None))
     b.reserve(SandboxSpec()).release()
+
+
+def test_psi_stalls_with_most_memory_available_are_the_sandboxes_own(tmp_path) -> None:
+    # memory bombs reclaiming inside their own limits stall too, and host-wide PSI counts them: with two
+    # thirds of the host available that is not the host thrashing, and other creates go on
+    a = admission(tmp_path, host(available=16 * GIB, psi_full=35.0))
+    a.reserve(SandboxSpec()).release()
+    b = admission(tmp_path, host(available=11 * GIB, psi_full=35.0))
+    with pytest.raises(CapacityExceeded, match="stalled waiting for memory"):
+        b.reserve(SandboxSpec())
 
 
 def test_psi_file_format() -> None:

@@ -8,8 +8,10 @@ costs about a mebibyte, and 90% of them idle. So admission goes by what is **mea
   what the creates already in flight are expected to take, minus what this one is expected to take, must
   stay above the watermark `SHOAL_MIN_FREE_MB`. "Expected" is the working set new sandboxes of this node
   actually reach (`note_usage`, fed by the node's pressure monitor from their cgroups), capped at their
-  limit. While tasks stall on memory (PSI `full avg10` over `SHOAL_ADMISSION_PSI_FULL` %), creates are
-  refused too: the host is thrashing.
+  limit. While tasks stall on memory (PSI `full avg10` over `SHOAL_ADMISSION_PSI_FULL` %) and less than
+  half the host's memory is available, creates are refused too: the host is thrashing. (With more
+  available, the stall is in sandboxes' own limits — a memory bomb reclaiming inside its cgroup, which
+  host-wide PSI counts as well — and refusing everyone's creates for it would let one bomb stop a node.)
 * **promised** — the sum of `memory_mb` of live sandboxes may not pass `SHOAL_MEMORY_OVERCOMMIT` × RAM.
   The default (1000) leaves the decision to measurement; `4` refuses past four times RAM, `1` never
   promises more than the host has. A paused sandbox's memory has been reclaimed (shoal.node.reclaim):
@@ -62,6 +64,8 @@ DEFAULT_EXPECTED_MB = 8.0
 MIN_EXPECTED_MB = 2.0
 #: weight of a new usage sample in the running estimate
 _EWMA = 0.05
+#: PSI refuses creates only while less than this share of the host's RAM is available (see the docstring)
+PSI_AVAILABLE_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,8 @@ class Admission:
                 "memory_mb, or raise SHOAL_MEMORY_OVERCOMMIT (memory use is measured either way)",
                 retry_after_s=2.0, reason="promised", committed_mb=committed, limit_mb=limit_mb)
         limit = self.psi_full_limit
-        if limit > 0 and s.psi_full10 is not None and s.psi_full10 > limit:
+        if limit > 0 and s.psi_full10 is not None and s.psi_full10 > limit \
+                and s.available_mb < s.total_mb * PSI_AVAILABLE_FRACTION:
             return CapacityExceeded(
                 f"memory pressure on this node: all its tasks were stalled waiting for memory {s.psi_full10:.0f}% "
                 f"of the last 10 s (limit {limit:g}%, SHOAL_ADMISSION_PSI_FULL); retry in a few seconds, "
