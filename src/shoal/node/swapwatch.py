@@ -6,17 +6,19 @@ That is CPU work done at the `interactive` class's weight, taken from the short 
 other sandbox: with 20 bombs beside 2,000 idle sandboxes a probe sandbox's exec p99 was 11.4× its idle
 value. The sandbox doing it is not latency-sensitive any more; it is thrashing.
 
-The node asks the kernel to tell it when a sandbox's memory + swap passes its memory limit by `MARGIN`
-(a cgroup v1 memory threshold on `memory.memsw.usage_in_bytes`, signalled on an eventfd, in both
-directions). Memory + swap is the right figure: page cache never counts past the limit (it is dropped,
-never swapped) and a paused sandbox reclaimed to swap does not change it, so only anonymous memory
-beyond the limit crosses the line. Past it, the sandbox's processes move to the `batch` class
-(shoal.node.cpuclass: SCHED_IDLE, only CPU time nobody else wants); once memory + swap is back under
-the line (the OOM killer ended the bomb, or the process freed memory) the sandbox returns to its own
-class. No polling: one eventfd per watched sandbox, read by the node's event loop.
+The line is the sandbox's memory limit plus `MARGIN`, on memory + swap: page cache never counts past
+the limit (it is dropped, never swapped) and a paused sandbox reclaimed to swap does not change it, so
+only anonymous memory beyond the limit crosses it. The kernel wakes the node when the sandbox reclaims
+(a cgroup v1 `memory.pressure_level` "low,local" event on an eventfd: only a sandbox at its own limit
+reclaims); the node then reads memory + swap, and past the line moves the sandbox's processes to the
+`batch` class (shoal.node.cpuclass: SCHED_IDLE, only CPU time nobody else wants). While it is there,
+memory + swap is read every `RECHECK_S`; back under the line (the OOM killer ended the bomb, or the
+process freed memory) the sandbox returns to its own class. Nothing is polled for the others.
+(Not a usage threshold on `memory.memsw.usage_in_bytes`: registering one waits for an RCU grace
+period in the kernel, measured at ~28 ms per create — create p50 16 → 44 ms.)
 
 Not watched: sandboxes whose class is `batch` already, sandboxes without swap (at their limit they are
-OOM-killed at once), and hosts whose memory controller is cgroup v2 (it has no usage thresholds; there
+OOM-killed at once), and hosts whose memory controller is cgroup v2 (it has no pressure_level events; there
 the sandbox keeps its class — docs/sandboxes.md says so).
 """
 
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: how far past its memory limit memory + swap must go before a sandbox counts as thrashing (bytes)
 MARGIN = 16 << 20
+#: how often memory + swap of a sandbox past its line is read, to see it come back under (seconds)
+RECHECK_S = 0.25
 
 
 @dataclass
@@ -45,70 +49,76 @@ class _Watch:
     efd: int
     on_cross: Callable[[bool], None]
     over: bool = field(default=False)
+    recheck: asyncio.TimerHandle | None = field(default=None)
 
 
 def supported(root: Path | None = None) -> bool:
-    """True when this host's memory controller can signal thresholds on memory + swap (cgroup v1 with
+    """True when this host's memory controller can signal reclaim and count memory + swap (cgroup v1 with
     swap accounting)."""
     base = root or cgroups.CGROUP_ROOT
-    return (base / "memory" / "memory.memsw.usage_in_bytes").exists() and \
-        (base / "memory" / "cgroup.event_control").exists()
+    return all((base / "memory" / f).exists() for f in ("memory.memsw.usage_in_bytes", "memory.pressure_level",
+                                                         "cgroup.event_control"))
 
 
 class SwapWatch:
-    """The thresholds of one node process (see the module docstring)."""
+    """The watches of one node process (see the module docstring)."""
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or cgroups.CGROUP_ROOT
         self._watches: dict[str, _Watch] = {}
 
     def watching(self, sandbox_id: str) -> bool:
-        """True while the sandbox has a threshold set."""
+        """True while the sandbox is watched."""
         return sandbox_id in self._watches
 
     def over(self, sandbox_id: str) -> bool:
-        """True while the sandbox's memory + swap is past its line (as last signalled)."""
+        """True while the sandbox's memory + swap is past its line (as last read)."""
         w = self._watches.get(sandbox_id)
         return bool(w and w.over)
 
     def watch(self, sandbox_id: str, cgroup: str, memory_limit: int, on_cross: Callable[[bool], None]) -> bool:
-        """Set the threshold `memory_limit + MARGIN` on the sandbox's memory + swap; `on_cross(over)` is
-        called from the event loop each time it is crossed. False when the host cannot (nothing set).
-        Idempotent. Must run in the event loop."""
+        """Watch the sandbox against the line `memory_limit + MARGIN`; `on_cross(over)` is called from the
+        event loop each time it crosses. False when the host cannot (nothing set). Idempotent. Must run in
+        the event loop."""
         if sandbox_id in self._watches:
             return True
         d = self.root / "memory" / cgroup.strip("/")
-        usage = d / "memory.memsw.usage_in_bytes"
-        line = int(memory_limit) + MARGIN
         try:
             efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         except OSError as e:
             log.warning("swap watch for %s: no eventfd: %s", sandbox_id, e)
             return False
         try:
-            ufd = os.open(usage, os.O_RDONLY | os.O_CLOEXEC)
+            pfd = os.open(d / "memory.pressure_level", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                # the kernel keeps only the eventfd: the usage file's descriptor may close at once
-                (d / "cgroup.event_control").write_text(f"{efd} {ufd} {line}")
+                # the kernel keeps only the eventfd: the control file's descriptor may close at once
+                (d / "cgroup.event_control").write_text(f"{efd} {pfd} low,local")
             finally:
-                os.close(ufd)
+                os.close(pfd)
         except OSError as e:
             os.close(efd)
             log.debug("swap watch for %s not set: %s", sandbox_id, e)
             return False
-        w = _Watch(usage, line, efd, on_cross)
+        w = _Watch(d / "memory.memsw.usage_in_bytes", int(memory_limit) + MARGIN, efd, on_cross)
         self._watches[sandbox_id] = w
         asyncio.get_running_loop().add_reader(efd, self._signalled, sandbox_id)
-        self._signalled(sandbox_id, initial=True)  # it may be past the line already (adopted sandboxes)
+        self._check(sandbox_id)  # it may be past the line already (adopted sandboxes)
         return True
 
-    def _signalled(self, sandbox_id: str, initial: bool = False) -> None:
+    def _signalled(self, sandbox_id: str) -> None:
         w = self._watches.get(sandbox_id)
         if w is None:
             return
-        if not initial:
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.eventfd_read(w.efd)
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.eventfd_read(w.efd)
+        if not w.over:
+            self._check(sandbox_id)
+
+    def _check(self, sandbox_id: str) -> None:
+        w = self._watches.get(sandbox_id)
+        if w is None:
+            return
+        w.recheck = None
         try:
             now = int(w.usage.read_text())
         except (OSError, ValueError):
@@ -116,6 +126,8 @@ class SwapWatch:
             self.unwatch(sandbox_id)
             return
         over = now >= w.line
+        if over:
+            w.recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._check, sandbox_id)
         if over == w.over:
             return
         w.over = over
@@ -125,11 +137,13 @@ class SwapWatch:
             log.warning("swap watch for %s: %s", sandbox_id, e)
 
     def unwatch(self, sandbox_id: str) -> bool:
-        """Stop watching (the sandbox is closing). True when it was past its line. The threshold goes with
-        the cgroup; closing the eventfd here is enough for this process."""
+        """Stop watching (the sandbox is closing). True when it was past its line. Closing the eventfd
+        removes the kernel's side."""
         w = self._watches.pop(sandbox_id, None)
         if w is None:
             return False
+        if w.recheck is not None:
+            w.recheck.cancel()
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_reader(w.efd)
         with contextlib.suppress(OSError):
