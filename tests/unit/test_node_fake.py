@@ -322,3 +322,33 @@ async def test_a_stopped_node_holds_nothing_open_in_its_home(fake_home: Path) ->
     assert _fds_under(node.paths.home), "the event log is open while the node runs"
     await node.stop()
     assert _fds_under(node.paths.home) == []
+
+
+async def test_the_reaper_scans_records_off_the_event_loop(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading every record (thousands on a dense node) must not stall the requests the node serves: the
+    loop keeps running while a slow scan is under way."""
+    import asyncio
+
+    from shoal.node import recovery
+
+    real = recovery.list_records
+
+    def slow(d: Path) -> list[SandboxRecord]:
+        time.sleep(0.3)  # a scan of many records on a busy host
+        return real(d)
+
+    monkeypatch.setattr(recovery, "list_records", slow)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    t = asyncio.ensure_future(ticker())
+    try:
+        assert await node.reap_once() == 0
+    finally:
+        t.cancel()
+    assert ticks >= 5, "the event loop stood still while the reaper read the records"
