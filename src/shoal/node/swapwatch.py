@@ -50,6 +50,15 @@ class _Watch:
     on_cross: Callable[[bool], None]
     over: bool = field(default=False)
     recheck: asyncio.TimerHandle | None = field(default=None)
+    #: the usage file, opened at the first reclaim event and kept: a path lookup in cgroupfs can wait on
+    #: cgroup locks another sandbox's class change holds (60 ms stalls of the node's loop were seen)
+    ufd: int | None = field(default=None)
+
+    def read_usage(self) -> int:
+        """Memory + swap now (bytes); OSError once the cgroup is gone."""
+        if self.ufd is None:
+            self.ufd = os.open(self.usage, os.O_RDONLY | os.O_CLOEXEC)
+        return int(os.pread(self.ufd, 64, 0))
 
 
 def supported(root: Path | None = None) -> bool:
@@ -120,7 +129,7 @@ class SwapWatch:
             return
         w.recheck = None
         try:
-            now = int(w.usage.read_text())
+            now = w.read_usage()
         except (OSError, ValueError):
             # the kernel signals the eventfd when the cgroup is removed: the sandbox is gone
             self.unwatch(sandbox_id)
@@ -146,8 +155,10 @@ class SwapWatch:
             w.recheck.cancel()
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_reader(w.efd)
-        with contextlib.suppress(OSError):
-            os.close(w.efd)
+        for fd in (w.efd, w.ufd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         return w.over
 
     def close(self) -> None:
