@@ -99,11 +99,7 @@ async def kill_and_forget(rec: SandboxRecord, rt: OciRuntime, timeout: float = 5
     if rec.init_alive():
         if rec.cgroup:
             # a frozen (paused) task cannot die of SIGKILL under the v1 freezer: thaw it first
-            cg = cgroups.SandboxCgroup(rec.cgroup)
-            if cg.mode == "v2":
-                cg.write("memory", "cgroup.freeze", "0")
-            else:
-                cg.write("freezer", "freezer.state", "THAWED")
+            cgroups.SandboxCgroup(rec.cgroup).set_frozen(False)
         try:
             pidfd = os.pidfd_open(rec.init_pid)
         except ProcessLookupError:
@@ -517,27 +513,16 @@ class ContainerBackend(Backend):
         # sleep, e.g. mid-rename on a busy host: seen in CI, where `crun state` then said "running"); asking
         # again retries the tasks that were busy
         cg = cgroups.SandboxCgroup(rec.cgroup)
-        v2 = cg.mode == "v2"
         deadline = time.monotonic() + timeout
         delay = 0.002
-        while True:
-            if v2:
-                frozen = "frozen 1" in (cg.read("memory", "cgroup.events") or "")
-            else:
-                state = (cg.read("freezer", "freezer.state") or "").strip()
-                frozen = state in ("FROZEN", "")  # "": the cgroup is gone (the sandbox died): nothing runs
-            if frozen:
-                return
+        while not cg.frozen():
             if time.monotonic() > deadline:
                 await rt.resume(rec.cid)  # not left half frozen
                 raise SandboxError(f"sandbox {rec.id} did not freeze within {timeout:g} s (a process stuck in "
                                    "an uninterruptible sleep?); it keeps running: retry the pause")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
-            if v2:
-                cg.write("memory", "cgroup.freeze", "1")
-            else:
-                cg.write("freezer", "freezer.state", "FROZEN")
+            cg.set_frozen(True)
 
     async def resume(self, rec: SandboxRecord) -> None:
         """Thaw the sandbox."""

@@ -75,6 +75,19 @@ class SandboxCgroup:
         except OSError:
             return False
 
+    def set_frozen(self, frozen: bool) -> bool:
+        """Ask the freezer to freeze (or thaw) every process (v1 freezer.state, v2 cgroup.freeze)."""
+        if self.mode == "v2":
+            return self.write("memory", "cgroup.freeze", "1" if frozen else "0")
+        return self.write("freezer", "freezer.state", "FROZEN" if frozen else "THAWED")
+
+    def frozen(self) -> bool:
+        """True once every process is frozen, or the cgroup is gone (nothing runs in it)."""
+        if self.mode == "v2":
+            events = self.read("memory", "cgroup.events")
+            return events is None or "frozen 1" in events
+        return (self.read("freezer", "freezer.state") or "").strip() in ("FROZEN", "")
+
     def memory_bytes(self) -> int | None:
         """Current memory charge of the sandbox (bytes)."""
         v = self.read("memory", "memory.current" if self.mode == "v2" else "memory.usage_in_bytes")
