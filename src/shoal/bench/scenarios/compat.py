@@ -139,6 +139,5 @@ async def _ok(code: int | None) -> None:
         raise RuntimeError(f"true exited {code}")
 
 
-SCENARIO = Scenario("compat", "exec round trip through the E2B SDK and SWE-ReX vs shoal's own HTTP API; a SWE-agent "
-                    "step via /swerex vs shoal's shell; SandboxFusion /run_code calls/s per language", run,
+SCENARIO = Scenario("compat", "E2B, SWE-ReX, SWE-agent steps and SandboxFusion languages vs shoal's own API", run,
                     CompatParams, uses_docker=False)
