@@ -31,12 +31,13 @@ SCENARIOS: dict[str, str] = {
     "store": "shoal.bench.scenarios.store",
     "gvisor": "shoal.bench.scenarios.gvisor",
     "dashboard": "shoal.bench.scenarios.dashboard",
+    "soak": "shoal.bench.scenarios.soak",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
 ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api", "ui": "dashboard", "events": "dashboard",
-                           "e2b": "compat", "swerex": "compat", "ray": "cluster"}
+                           "e2b": "compat", "swerex": "compat", "ray": "cluster", "churn": "soak"}
 
 
 class UnknownScenario(ValueError):

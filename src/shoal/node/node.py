@@ -232,6 +232,18 @@ class Node(DataPlane):
             b = self._backends[name] = create_backend(name, self.context)
         return b
 
+    def table_sizes(self) -> dict[str, int]:
+        """How many entries the node keeps in each per-sandbox table now (admission, last use, connections,
+        parsed records, state locks, swap watches): what `shoal bench soak` checks stays flat under churn."""
+        from shoal.node import records
+
+        b = self._backends.get("container")
+        sw = getattr(b, "swap_watch", None)
+        return {"admission_live": len(self.admission.live_ids()), "last_used": len(self.scheduling.last_used),
+                "connections": len(self.connections), "parsed_records": records.cached_records(),
+                "state_locks": self.locks.held(), "swap_watches": len(sw) if sw is not None else 0,
+                "reclaimed": len(self.reclaimed)}
+
     def _inotify_watches(self) -> int:
         # the swap watch's inotify watches (cgroup v2 hosts: one per watched sandbox; v1 uses none)
         b = self._backends.get("container")
