@@ -193,8 +193,9 @@ async def test_memsw_limit_allows_swap_when_swap_is_on(client: shoal.Client, zra
     else:
         assert int(cg.read("memory", "memory.memsw.limit_in_bytes")) == 256 << 20
     # a running sandbox may now go past its RAM limit into swap instead of being OOM-killed
+    # (past its line it runs as `batch` while it swaps: slow on a loaded machine, hence the long timeout)
     r = await sb.exec("python3 -c 'x = bytearray(160 << 20); x[::4096] = b\"a\" * (40 << 10); print(len(x) >> 20)'",
-                      timeout=120)
+                      timeout=900)
     assert r.stdout == b"160\n", r
 
 
