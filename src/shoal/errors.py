@@ -170,6 +170,13 @@ class AgentProtocolError(SandboxError):
     code = "agent_protocol_error"
 
 
+class NoShell(InvalidRequest):
+    """A command given as a string needs a shell, and the sandbox's image has neither /bin/bash nor /bin/sh
+    (a distroless or scratch image): pass the command as an argv list instead."""
+
+    code = "no_shell"
+
+
 class ImageBuildError(ShoalError):
     """An image build step failed; the message carries the failing step and its output tail."""
 
@@ -227,6 +234,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         NodeUnavailable,
         AgentProtocolError,
         ImageBuildError,
+        NoShell,
         ImageCorrupt,
         StoreUnavailable,
         Unauthorized,
