@@ -91,6 +91,9 @@ class LocalTransport(Transport):
     async def images(self) -> builtins.list[dict[str, Any]]:
         return [img.to_dict() for img in self.node.store.list_images()]
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        return await self.node.pull(reference)
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:
