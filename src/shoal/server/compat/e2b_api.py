@@ -28,7 +28,7 @@ from shoal.errors import (
 )
 from shoal.models import SandboxInfo
 from shoal.node.records import SandboxRecord
-from shoal.server.compat import common
+from shoal.server.compat import common, e2b_list
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
 from shoal.spec import SandboxSpec
@@ -188,36 +188,47 @@ async def create_sandbox(request: Request) -> Response:
         return from_shoal(e)
 
 
-@router.get("/sandboxes")
+def _listed(st: ServerState, who: Principal) -> list[dict[str, Any]]:
+    """Every running or paused sandbox of the caller's project (admin: all) as E2B's ListedSandbox."""
+    from shoal.node.records import list_records
+
+    out = []
+    for rec in list_records(st.node.paths.sandboxes):
+        if (not who.admin and rec.project != who.project) or rec.extra.get("pool"):
+            continue
+        if rec.state in ("running", "paused"):
+            out.append(detail(st, rec, listed=True))
+    return out
+
+
 @router.get("/v2/sandboxes")
 async def list_sandboxes(request: Request) -> Response:
-    """The caller's sandboxes (E2B `Sandbox.list`): filter by `metadata` (URL-encoded k=v&...) and `state`."""
+    """A page of the caller's sandboxes (E2B `Sandbox.list`): `limit`, `nextToken` → `X-Next-Token`, `order`,
+    filters `state`, `metadata`, `startedAfter`, `template` (shoal.server.compat.e2b_list)."""
     try:
         st, who = _caller(request)
-        from urllib.parse import parse_qsl
+        q = e2b_list.parse_query(request.query_params)
+        items, token, running = e2b_list.page(_listed(st, who), q)
+        headers = {}
+        if token is not None:
+            headers["X-Next-Token"] = token
+        if running is not None:
+            headers["X-Total-Running"] = str(running)
+        return JSONResponse(items, headers=headers)
+    except Exception as e:
+        return from_shoal(e)
 
-        want = dict(parse_qsl(request.query_params.get("metadata") or ""))
-        states = {s for s in (request.query_params.get("state") or "").split(",") if s}
-        limit = request.query_params.get("limit")
-        n = int(limit) if limit and limit.isdigit() else None
-        from shoal.node.records import list_records
 
-        out = []
-        for rec in list_records(st.node.paths.sandboxes):
-            if (not who.admin and rec.project != who.project) or rec.extra.get("pool"):
-                continue
-            if rec.state not in ("running", "paused"):
-                continue
-            d = detail(st, rec, listed=True)
-            if states and d["state"] not in states:
-                continue
-            if want and any(d["metadata"].get(k) != v for k, v in want.items()):
-                continue
-            out.append(d)
-        out.sort(key=lambda d: d["startedAt"])
-        if n is not None:
-            out = out[:n]
-        return JSONResponse(out)
+@router.get("/sandboxes")
+async def list_sandboxes_v1(request: Request) -> Response:
+    """The caller's running sandboxes, newest first, filtered by `metadata` (E2B's legacy list: no pages)."""
+    try:
+        st, who = _caller(request)
+        raw = request.query_params.get("metadata")
+        q = e2b_list.ListQuery(states=("running",), metadata=e2b_list.parse_metadata(raw) if raw else ())
+        items = [d for d in _listed(st, who) if e2b_list.matches(d, q)]
+        e2b_list.sort_listed(items, ascending=False)
+        return JSONResponse(items)
     except Exception as e:
         return from_shoal(e)
 
