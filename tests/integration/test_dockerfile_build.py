@@ -225,6 +225,15 @@ async def test_workdir_only_and_cache_keys(node, store: ImageStore, tmp_path: Pa
     c = await _build(node, ctx, "df-wd:4")
     assert c.steps_run == 2 and c.image.layers != a.image.layers
 
+    # what .dockerignore leaves out keys the cache too: a newly ignored file is gone from the rebuilt image
+    (ctx / "Dockerfile").write_text("FROM base\nCOPY . /c/\n")
+    (ctx / "x.log").write_text("x")
+    assert _tree(store, (await _build(node, ctx, "df-wd:ign1")).image.ref, "/c/x.log")["/c/x.log"] is not None
+    (ctx / ".dockerignore").write_text("*.log\n")
+    ign = await _build(node, ctx, "df-wd:ign2")
+    assert ign.steps_run == 1 and _tree(store, "df-wd:ign2", "/c/x.log")["/c/x.log"] is None
+    (ctx / "Dockerfile").write_text("FROM base\nCOPY f.txt /f\nRUN echo run >> /log\n")
+
     # from_map: the same Dockerfile on another base is a new image, never the old one's cache
     store.put_image("otherbase:1", [*(lay.digest for lay in store.resolve("base").layers),
                                     c.image.layers[-1].digest])
@@ -250,7 +259,7 @@ RUN --mount=type=tmpfs,target=/scratch echo x > /scratch/f && test -f /scratch/f
 RUN --mount=type=bind,source=data,target=/mnt/data cp /mnt/data/in.txt /copied.txt
 RUN --mount=type=bind,from=tools,source=/tools,target=/t cp /t/t.txt /from-stage.txt
 """, "data/in.txt": "bound\n"})
-    res = await _build(node, ctx, "df-mounts:1", secrets={"token": secret})
+    await _build(node, ctx, "df-mounts:1", secrets={"token": secret})
     t = _tree(store, "df-mounts:1", "/root/.cache/pip", "/root/.cache", "/run/secrets", "/secret-len", "/scratch",
               "/mnt/data", "/copied.txt", "/from-stage.txt", "/runs-seen")
     assert t["/secret-len"][3] == b"6\n"  # the secret was there; its content is not in the image

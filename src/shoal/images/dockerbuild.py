@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from shoal.node.node import Node
 
 STEP_CACHE = "steps"
-_KEY_VERSION = "dockerfile-1"
+_KEY_VERSION = "dockerfile-2"
 DEFAULT_SHELL = ["/bin/sh", "-c"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PLATFORM = "linux/amd64"
@@ -77,7 +77,9 @@ class BuildOptions:
     no_cache: bool = False
     platform: str | None = None
     from_map: dict[str, str] = field(default_factory=dict)
-    network: bool = True
+    #: RUN steps' network: True (the default, as docker build), False, or egress rules like a sandbox's
+    #: (`["debian", "pypi"]`: the build reaches those only; see docs/security.md)
+    network: bool | list[str] = True
     secrets: dict[str, Path] = field(default_factory=dict)
     cpus: float = 2.0
     memory_mb: int = 2048
@@ -590,7 +592,7 @@ class DockerBuild:
         return out
 
     async def _run(self, stage: Stage, st: _State, ins: Instruction, where: str) -> None:
-        network = self.opts.network
+        network: bool | list[str] = self.opts.network
         for k, v in ins.flags:
             if k == "network":
                 if v in ("none",):
@@ -802,7 +804,7 @@ class DockerBuild:
                     if checksum:
                         raise InvalidRequest(f"{where}: ADD --checksum is only for URL sources")
                     entries.extend(await asyncio.to_thread(self._context_sources, s, where, cmd))
-            content_key = [e.key() for e in entries]
+            content_key = [e.key(self.ignore if e.rel or e.path == self.context else None) for e in entries]
         if not entries:
             raise InvalidRequest(f"{where}: {cmd}: no source files were specified")
         # BuildKit's rules: several source arguments need a directory destination ending in '/'; several
@@ -875,7 +877,7 @@ class DockerBuild:
         h = hashlib.sha256()
         for s in srcs:
             for e in self._context_sources(s, "mount", "mount"):
-                h.update(json.dumps(e.key()).encode())
+                h.update(json.dumps(e.key(self.ignore)).encode())
         return h.hexdigest()
 
     async def _download(self, url: str, checksum: str | None, where: str) -> _Src:
@@ -1118,7 +1120,7 @@ class DockerBuild:
 
     # ---- one layer-making step ----------------------------------------------------------------
     async def _layer_step(self, stage: Stage, st: _State, desc: dict[str, Any], text: str,
-                          action: Callable[[str], Any], *, network: bool,
+                          action: Callable[[str], Any], *, network: bool | list[str],
                           mounts: list[BuildMount] | None = None) -> None:
         from shoal.fsutil import canonical_json
         from shoal.images.recipe import _cached_or_claim
@@ -1158,7 +1160,7 @@ class DockerBuild:
         self.log(f"      -> {layer[:19] if layer else 'no changes'} in {time.monotonic() - t0:.1f}s")
 
     async def _in_sandbox(self, st: _State, pending: list[tuple[str, str]], action: Callable[[str], Any],
-                          network: bool, mounts: list[BuildMount], text: str) -> str | None:
+                          network: bool | list[str], mounts: list[BuildMount], text: str) -> str | None:
         from shoal.images.pack import pack_upper, upper_is_empty
         from shoal.images.recipe import _freeze
         from shoal.spec import SandboxSpec
@@ -1194,12 +1196,12 @@ class DockerBuild:
                 if mounts:
                     await asyncio.to_thread(_drop_mount_stubs, Path(upper), [m.target for m in mounts],
                                             [d.split(":", 1)[1] for d in layers], self.node)
-                if await asyncio.to_thread(upper_is_empty, Path(upper), network):
+                if await asyncio.to_thread(upper_is_empty, Path(upper), bool(network)):
                     return None
                 source = {"type": "dockerfile-step", "image": self.opts.tag, "desc": text[:500]}
                 disk_mb = int(rec.spec.get("disk_mb") or 4096)
                 layer = await asyncio.to_thread(
-                    lambda: pack_upper(self.store, Path(upper), source, clean=True, network=network,
+                    lambda: pack_upper(self.store, Path(upper), source, clean=True, network=bool(network),
                                        max_bytes=disk_mb << 20, what=f"`{text[:80]}`",
                                        why=f"the build's disk_mb={disk_mb}"))
                 return layer.digest
@@ -1320,14 +1322,40 @@ class _Src:
     tmpdir: str | None = None
     mtime: float | None = None
 
-    def key(self) -> Any:
+    def key(self, ignore: DockerIgnore | None = None) -> Any:
+        """What of the source keys the step's cache: names, types, permission bits, link targets and bytes
+        of what is copied (after .dockerignore), or the heredoc's or the download's bytes."""
         if self.data is not None:
             return {"heredoc": self.name, "sha256": hashlib.sha256(self.data).hexdigest()}
         if self.url_digest:
             return {"url": self.name, "sha256": self.url_digest}
-        from shoal.images.recipe import content_digest
         assert self.path is not None
-        return {"name": self.name, "dir": self.is_dir, "content": content_digest(self.path)}
+        return {"name": self.name, "dir": self.is_dir, "content": _tree_digest(self.path, self.rel, ignore)}
+
+
+def _tree_digest(path: Path, rel: str, ignore: DockerIgnore | None) -> str:
+    h = hashlib.sha256()
+    top = os.stat(path)
+    entries = [("", top)]
+    if stat.S_ISDIR(top.st_mode):
+        keep = None
+        if ignore is not None and ignore.patterns:
+            def keep(r: str) -> bool:
+                return not ignore.excluded(f"{rel}/{r}" if rel else r)
+        entries += _iter_tree(path, keep)
+    for r, st in entries:
+        p = path / r if r else path
+        h.update(f"{r}\0{stat.S_IFMT(st.st_mode)}\0{st.st_mode & 0o7777}\0".encode())
+        if stat.S_ISREG(st.st_mode):
+            fh = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    fh.update(chunk)
+            h.update(fh.digest())
+        elif stat.S_ISLNK(st.st_mode):
+            h.update(os.readlink(p).encode("utf-8", "surrogateescape"))
+        h.update(b"\n")
+    return "sha256:" + h.hexdigest()
 
 
 def _text(b: bytes | str) -> str:
@@ -1536,8 +1564,8 @@ async def build_dockerfile(node: Node, opts: BuildOptions, log: Callable[[str], 
 
 def build_options(tag: str, context: Path, *, dockerfile: str | Path | None = None,
                   build_args: dict[str, str] | None = None, target: str | None = None, no_cache: bool = False,
-                  platform: str | None = None, from_map: dict[str, str] | None = None, network: bool = True,
-                  secrets: dict[str, Path] | None = None) -> BuildOptions:
+                  platform: str | None = None, from_map: dict[str, str] | None = None,
+                  network: bool | list[str] = True, secrets: dict[str, Path] | None = None) -> BuildOptions:
     """BuildOptions from the SDK's keyword arguments (a relative `dockerfile` is under the context)."""
     df = None
     if dockerfile:

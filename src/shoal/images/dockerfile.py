@@ -89,7 +89,7 @@ async def _inputs_digest(node: Node, context: Path, dockerfile: Path | None, fro
     """The context's digest plus everything else the result depends on, including the base images' digests."""
     import asyncio
 
-    from shoal.images.dockerbuild import BuildOptions, read_dockerfile, split_stages
+    from shoal.images.dockerbuild import _KEY_VERSION, BuildOptions, read_dockerfile, split_stages
 
     ctx_digest = await asyncio.to_thread(dockerfile_digest, context, dockerfile)
     opts = BuildOptions(tag="x:1", context=context, dockerfile=dockerfile, build_args=build_args, target=target,
@@ -105,8 +105,8 @@ async def _inputs_digest(node: Node, context: Path, dockerfile: Path | None, fro
             bases[s.base] = (await asyncio.to_thread(node.store.resolve, mapped)).digest
         except Exception:
             bases[s.base] = mapped
-    blob = json.dumps({"ctx": ctx_digest, "from_map": from_map, "args": build_args, "target": target,
-                       "bases": bases}, sort_keys=True).encode()
+    blob = json.dumps({"builder": _KEY_VERSION, "ctx": ctx_digest, "from_map": from_map, "args": build_args,
+                       "target": target, "bases": bases}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

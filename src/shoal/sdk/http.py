@@ -511,6 +511,8 @@ class HttpTransport(Transport):
             params.append(("no_cache", "true"))
         if opts.get("network") is False:
             params.append(("network", "false"))
+        elif isinstance(opts.get("network"), list):
+            params += [("egress", str(r)) for r in opts["network"]]
         r = await self._request("POST", "/v1/images/dockerfile", params=params, content=data, read_timeout=None)
         out: dict[str, Any] = r.json()
         return out

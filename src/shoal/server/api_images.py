@@ -153,7 +153,9 @@ async def build_dockerfile_image(
         build_arg: Annotated[list[str] | None, Query(max_length=1000, description="NAME=VALUE, repeatable")] = None,
         target: Annotated[str | None, Query(max_length=200)] = None,
         platform: Annotated[str | None, Query(max_length=100)] = None,
-        no_cache: bool = False, network: bool = True) -> dict[str, Any]:
+        no_cache: bool = False, network: bool = True,
+        egress: Annotated[list[str] | None, Query(max_length=300, description="RUN steps reach only these "
+                                                  "(egress rules, as a sandbox's network)")] = None) -> dict[str, Any]:
     """`docker build` on the server: the body is the build context (a tar, maybe gzip; the client leaves out
     what .dockerignore excludes), built with BuildKit's Dockerfile semantics into the caller's project. FROM
     names resolve like any image argument (the project's images, then shared ones)."""
@@ -188,7 +190,8 @@ async def build_dockerfile_image(
             await asyncio.to_thread(extract_context, tar, ctx)
             tar.unlink()
             opts = BuildOptions(tag=target_ref, context=ctx, dockerfile=ctx / df, build_args=args, target=target,
-                                platform=platform, no_cache=no_cache, network=network)
+                                platform=platform, no_cache=no_cache,
+                                network=list(egress) if egress and network else network)
 
             def resolve(ref: str) -> Any:
                 return st.node.store.resolve(_lookup(st, ns, ref))
