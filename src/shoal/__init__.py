@@ -21,6 +21,8 @@ from shoal.errors import (
     NodeUnavailable,
     NotImplementedYet,
     QuotaExceeded,
+    RegistryAuthFailed,
+    RegistryUnavailable,
     SandboxError,
     SandboxFileError,
     SandboxLost,
@@ -54,7 +56,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
     "Forbidden", "GangUnsatisfiable", "ImageBuildError", "ImageCorrupt", "ImageNotFound", "InvalidRequest",
-    "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "RegistryAuthFailed", "RegistryUnavailable", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxLost", "SandboxNotFound", "SandboxSpec", "Shell",
     "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
     "Timeout", "Unauthorized", "Unsupported", "__version__",

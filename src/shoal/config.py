@@ -285,7 +285,46 @@ def _egress_sets(v: object) -> object:
 
 SWAP_POLICY = Conv("auto|0|size", _swap_policy)
 EGRESS_SETS = Conv("NAME=rule …;…", _egress_sets)
+def parse_registry_mirrors(v: object) -> dict[str, list[str]]:
+    """`"docker.io=http://127.0.0.1:5000 ghcr.io=https://m.example"` (spaces or commas between pairs; a
+    registry named twice gets both mirrors, tried in order), or a TOML table of a URL or a list of URLs."""
+    if isinstance(v, Mapping):
+        items = [(str(k), u) for k, urls in v.items() for u in (urls if isinstance(urls, (list, tuple)) else [urls])]
+    else:
+        items = []
+        for part in re.split(r"[\s,]+", str(v).strip()):
+            if part:
+                host, sep, url = part.partition("=")
+                if not sep:
+                    raise ValueError(f"{part!r} must look like REGISTRY=URL (e.g. docker.io=http://127.0.0.1:5000)")
+                items.append((host, url))
+    out: dict[str, list[str]] = {}
+    for host, url in items:
+        host, url = host.strip().lower(), str(url).strip().rstrip("/")
+        if host in ("index.docker.io", "registry-1.docker.io"):
+            host = "docker.io"
+        if not re.fullmatch(r"[a-z0-9.-]+(:[0-9]+)?|\*", host):
+            raise ValueError(f"registry {host!r} must be a host[:port] like docker.io or ghcr.io (or *)")
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", url):
+            raise ValueError(f"mirror {url!r} of {host} must be an http:// or https:// URL")
+        out.setdefault(host, [])
+        if url not in out[host]:
+            out[host].append(url)
+    return out
+
+
+def _hosts(v: object) -> object:
+    items = v if isinstance(v, (list, tuple)) else re.split(r"[\s,]+", str(v).strip())
+    hosts = tuple(str(h).strip().lower() for h in items if str(h).strip())
+    bad = [h for h in hosts if not re.fullmatch(r"[a-z0-9.-]+(:[0-9]+)?", h)]
+    if bad:
+        raise ValueError(f"must be host[:port] names separated by commas ({bad[0]!r} is not one)")
+    return hosts
+
+
 NAMES = Conv("name,…", _names)
+MIRRORS = Conv("REGISTRY=URL …", parse_registry_mirrors)
+HOSTS = Conv("host[:port],…", _hosts)
 WARM_POOL = Conv("IMAGE=N,…", parse_warm_pool)
 MODULES = Conv("module,…", _modules)
 
@@ -481,6 +520,26 @@ class Settings:
                                   "(0: off; layers are read on demand from the store)", integer(0))
     store_probe_timeout_s: float = setting(3.0, "images", "creates fail with store_unavailable when the store does "
                                            "not answer a probe within this (seconds)", number(0, lo_open=True))
+    pull_policy: str = setting("missing", "images", "when a create or a Dockerfile FROM pulls its image from a "
+                               "registry: missing = when not in the store, always = check the registry every time "
+                               "(images made in shoal are never replaced), never = only the store",
+                               choice("missing", "always", "never"))
+    registry_mirrors: dict[str, list[str]] = setting({}, "images", "mirrors asked before a registry, like "
+                                                     "containerd's: REGISTRY=URL pairs (`docker.io=http://127.0.0.1:"
+                                                     "5000 ghcr.io=https://m.example`); plain HTTP only where the URL "
+                                                     "says http://", MIRRORS, default_doc="none")
+    registry_fallback: bool = setting(True, "images", "after its mirrors, ask the registry itself (false: only the "
+                                      "mirrors, e.g. on a machine without internet)", BOOL)
+    registry_insecure: tuple[str, ...] = setting((), "images", "registries reached over plain HTTP when HTTPS fails "
+                                                 "(loopback hosts always are, as in Docker)", HOSTS, default_doc="none")
+    registry_auth_file: Path | None = setting(None, "images", "Docker's credentials file (`docker login` writes it)",
+                                              _optional(PATH), default_doc="$DOCKER_CONFIG/config.json, else "
+                                              "~/.docker/config.json")
+    pull_concurrency: int = setting(3, "images", "layers one pull downloads at once", integer(1, 32))
+    pull_retries: int = setting(5, "images", "attempts per registry request (a broken download resumes where it "
+                                "stopped)", integer(1, 50))
+    pull_timeout_s: float = setting(3600.0, "images", "longest a whole pull may take (s); waiters for another node's "
+                                    "pull wait as long", number(0, lo_open=True))
     # ---- rl
     rl_tasks: str | None = setting(None, "rl", "tasks file or directory the trainer adapters look task ids up in",
                                    _optional(text()), default_doc="none")

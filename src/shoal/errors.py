@@ -35,6 +35,23 @@ class ImageNotFound(ShoalError, LookupError):
     code = "image_not_found"
 
 
+class RegistryUnavailable(ShoalError, ConnectionError):
+    """An image registry (or every mirror of it) could not be reached or kept failing (connection refused,
+    DNS, TLS, 5xx, a download that broke more often than the retries allow). Retryable later."""
+
+    http_status = 502
+    code = "registry_unavailable"
+    retryable = True
+
+
+class RegistryAuthFailed(ShoalError, PermissionError):
+    """An image registry refused the credentials (or asked for some and none were configured): log in
+    with `docker login` (shoal reads ~/.docker/config.json or $DOCKER_CONFIG/config.json)."""
+
+    http_status = 403
+    code = "registry_auth_failed"
+
+
 class SandboxNotFound(ShoalError, LookupError):
     """No sandbox with this ID (or it belongs to another project)."""
 
@@ -194,6 +211,8 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         ShoalError,
         InvalidRequest,
         ImageNotFound,
+        RegistryUnavailable,
+        RegistryAuthFailed,
         SandboxNotFound,
         ShellNotFound,
         FileNotFound,

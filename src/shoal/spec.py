@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from shoal import limits as L
 from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
 from shoal.errors import InvalidRequest
+from shoal.images.reference import NEW_NAME_PATTERN, REFERENCE_PATTERN
 from shoal.node.cpuclass import CPU_CLASSES, DEFAULT_CPU_CLASS, check_cpu_class
 
 # ---- field types (the HTTP schemas use them too)
@@ -29,12 +30,11 @@ LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 LabelValue = Annotated[str, StringConstraints(max_length=1024)]
 #: a path inside the sandbox (absolute, or relative to the workdir); no NUL
 SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
-_NAME = r"[a-z0-9](?:[a-z0-9._/-]{0,126}[a-z0-9])?"
-_TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
-#: an image reference: name[:tag] or name@sha256:<hex>
-ImageRef = Annotated[str, StringConstraints(max_length=300, pattern=rf"^{_NAME}(?::{_TAG}|@sha256:[0-9a-f]{{64}})?$")]
+#: an image reference as Docker writes it (`python:3.12`, `ghcr.io/org/img:tag@sha256:…`) or a shoal name;
+#: the pattern is a first filter, shoal.images.reference.parse_reference has the last word
+ImageRef = Annotated[str, StringConstraints(max_length=400, pattern=REFERENCE_PATTERN)]
 #: the name of a new image: name[:tag]
-NEW_IMAGE_RE = rf"^{_NAME}(?::{_TAG})?$"
+NEW_IMAGE_RE = NEW_NAME_PATTERN
 #: a user inside the sandbox (name or uid)
 UserName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00:]+$")]
 Hostname = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9-]{1,63}$")]
@@ -53,7 +53,8 @@ class SandboxSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    image: ImageRef = Field(L.DEFAULT_IMAGE, description="image reference: name[:tag] or name@sha256:…")
+    image: ImageRef = Field(L.DEFAULT_IMAGE, description="image reference as Docker writes it: name[:tag], "
+                            "host[:port]/path:tag, name@sha256:…, name:tag@sha256:… (docs/images.md)")
     backend: str = Field(L.DEFAULT_BACKEND, description="where the sandbox runs (see docs/architecture.md)",
                          json_schema_extra={"enum": [*backend_names()]})
     runtime: str | None = Field(None, description="container runtime; null = the best that works here",
@@ -84,6 +85,14 @@ class SandboxSpec(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise spec_error(e) from None
+
+    @field_validator("image")
+    @classmethod
+    def _valid_reference(cls, v: str) -> str:
+        from shoal.images.refs import parse_ref
+
+        parse_ref(v)  # the pattern is a first filter; this names the bad part
+        return v
 
     @field_validator("backend")
     @classmethod

@@ -1,4 +1,4 @@
-"""`shoal image …`: build (base or recipes), import (tarballs, registries), compose, tag, ls, layers,
+"""`shoal image …`: build (base or recipes), pull (registries), import (tarballs), compose, tag, ls, layers,
 inspect, rm, gc."""
 
 from __future__ import annotations
@@ -308,7 +308,66 @@ def _build_base(name: str | None, quiet: bool, as_json: bool) -> None:
     _print_result(run_async(go), as_json, "built")
 
 
-# ---- import / compose / tag ---------------------------------------------------------------------
+# ---- pull / import / compose / tag --------------------------------------------------------------
+@image_app.command("pull")
+def image_pull(
+    reference: Annotated[str, typer.Argument(help="python:3.12-slim, ghcr.io/org/img:tag, name@sha256:… (Docker's "
+                                                  "form; mirrors and credentials as in docs/images.md)")],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the pull's report as JSON")] = False,
+) -> None:
+    """Pull an image from its registry into the store, like `docker pull` (layers in parallel, each at most
+    once: layers the store already has are not fetched)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from shoal.images.pull import PullEvent, from_registry, pull_image, resolve_local
+
+    store = _store()
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        console=err_console, disable=quiet or as_json, transient=False)
+    tasks: dict[int, Any] = {}
+
+    def on_event(ev: PullEvent) -> None:
+        if ev.kind == "resolved":
+            progress.log(f"{ev.reference}: {ev.layers} layers, manifest {str(ev.digest)[:19]}")
+        elif ev.kind == "waiting":
+            progress.log(f"{ev.reference}: {ev.message}")
+        elif ev.kind in ("layer-cached", "layer-start") and ev.layer is not None:
+            label = f"{str(ev.digest)[7:19]} {'already in the store' if ev.kind == 'layer-cached' else 'downloading'}"
+            tasks[ev.layer] = progress.add_task(label, total=ev.size or None,
+                                                completed=(ev.size or 0) if ev.kind == "layer-cached" else 0)
+        elif ev.kind == "layer-bytes" and ev.layer in tasks:
+            progress.advance(tasks[ev.layer], ev.bytes)
+        elif ev.kind == "layer-done" and ev.layer in tasks:
+            progress.update(tasks[ev.layer], description=f"{str(ev.digest)[7:19]} done",
+                            completed=ev.size or progress.tasks[tasks[ev.layer]].completed)
+
+    async def go() -> Any:
+        import asyncio
+
+        def run() -> Any:
+            prev = resolve_local(store, reference)
+            return pull_image(store, reference, progress=on_event, work_dir=_local_tmp(),
+                              previous=prev if prev is not None and from_registry(prev) else None)
+
+        with progress:
+            return await asyncio.to_thread(run)
+
+    rep = run_async(go)
+    for note in rep.notes:
+        err_console.print(f"[yellow]note:[/yellow] {escape(note)}")
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=1))
+        return
+    if rep.up_to_date:
+        console.print(f"{rep.image.ref} is up to date ({rep.manifest_digest[:19]})", highlight=False)
+        return
+    how = ("pulled by another node" if rep.waited else
+           f"{rep.layers_fetched} layers fetched ({_mib(rep.bytes_fetched)}), {rep.layers_cached} already in the store")
+    console.print(f"[green]pulled[/green] {rep.image.ref} {rep.image.digest[:19]} ({how}, {rep.seconds:.1f}s)",
+                  highlight=False)
+
+
 @image_app.command("import")
 def image_import(
     source: Annotated[str, typer.Argument(help="FILE.tar (docker save / OCI layout, maybe .gz/.zst) or "

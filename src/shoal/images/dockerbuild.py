@@ -415,15 +415,15 @@ class DockerBuild:
                 res = await res
             return res  # type: ignore[no-any-return]
         try:
-            return await asyncio.to_thread(self.store.resolve, mapped)
+            # the store's image, or pulled from its registry per pull_policy (shoal.images.pull)
+            return await self.node.resolve_image(mapped)
         except InvalidRequest as e:
             raise InvalidRequest(f"{self.where}:{line}: FROM {name}: {e.message}") from None
-        except ImageNotFound:
+        except ImageNotFound as e:
             hint = (f" (from_map sent it to {mapped!r})" if mapped != name else
-                    "; import or pull it first (`shoal image import`), or map the name to a shoal image with "
-                    "from_map, e.g. {\"" + name + "\": \"base\"}")
-            raise ImageNotFound(f"{self.where}:{line}: FROM {name}: image {mapped!r} is not in the store{hint}"
-                                ) from None
+                    "; pull or import it (`shoal image pull`, `shoal image import`), or map the name to a shoal "
+                    "image with from_map, e.g. {\"" + name + "\": \"base\"}")
+            raise ImageNotFound(f"{self.where}:{line}: FROM {name}: {e.message}{hint}") from None
 
     async def _build_stage(self, stage: Stage) -> tuple[_State, Image | None]:
         label = stage.name or str(stage.index)

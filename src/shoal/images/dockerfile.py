@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shoal.errors import ShoalError
 from shoal.images.store import Image
 
 if TYPE_CHECKING:
@@ -100,11 +101,15 @@ async def _inputs_digest(node: Node, context: Path, dockerfile: Path | None, fro
     for s in stages:
         if s.base.lower() in names or s.base.lower() == "scratch" or s.base.isdigit():
             continue
+        from shoal.images.pull import resolve_local
+
         mapped = from_map.get(s.base, s.base)
         try:
-            bases[s.base] = (await asyncio.to_thread(node.store.resolve, mapped)).digest
-        except Exception:
-            bases[s.base] = mapped
+            img = await asyncio.to_thread(resolve_local, node.store, mapped)
+        except ShoalError:
+            img = None  # a bad reference: the build says so
+        # (not in the store yet: it is pulled by the build, which names the image by what it got)
+        bases[s.base] = img.digest if img is not None else mapped
     blob = json.dumps({"builder": _KEY_VERSION, "ctx": ctx_digest, "from_map": from_map, "args": build_args,
                        "target": target, "bases": bases}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -240,12 +240,29 @@ class Node(DataPlane):
                 return hit
         return await self.start_sandbox(spec, image)
 
-    async def resolve_image(self, ref: str) -> Image:
-        """Resolve an image for a create, after a bounded probe of the store (StoreUnavailable when it
-        does not answer), off the event loop: a hung shared filesystem never blocks the node agent."""
-        def go() -> Image:
-            self.store_health.check()
-            return self.store.resolve(ref)
+    async def resolve_image(self, ref: str, *, pull_policy: str | None = None) -> Image:
+        """Resolve an image for a create (or a build's base), after a bounded probe of the store
+        (StoreUnavailable when it does not answer), off the event loop: a hung shared filesystem never
+        blocks the node agent. A reference not in the store is pulled from its registry per `pull_policy`
+        (default: the setting), once however many creates ask at once (shoal.images.pull)."""
+        from shoal.images.pull import ensure_image
+
+        await asyncio.to_thread(self.store_health.check)
+        return await ensure_image(self.store, ref, policy=pull_policy, work_dir=self.paths.home / "tmp")
+
+    async def pull(self, ref: str, *, progress: Any = None) -> dict[str, Any]:
+        """`shoal image pull`: ask the registry for `ref` now (as `docker pull` does: an image of that name
+        in the store is checked against the registry and replaced when it changed). Once across the nodes
+        sharing the store; returns the PullReport as a dict."""
+        from shoal.images.pull import from_registry, pull_image, resolve_local
+
+        await asyncio.to_thread(self.store_health.check)
+
+        def go() -> dict[str, Any]:
+            prev = resolve_local(self.store, ref)
+            rep = pull_image(self.store, ref, progress=progress, work_dir=self.paths.home / "tmp",
+                             previous=prev if prev is not None and from_registry(prev) else None)
+            return rep.to_dict()
 
         return await asyncio.to_thread(go)
 

@@ -171,6 +171,14 @@ class Client:
             opts["log"] = log
         return await t.build_image(tag, str(context), **opts)
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        """Pull an image from its registry into the store now, like `docker pull` (creates pull what they lack
+        by themselves, per the `pull_policy` setting). Returns the pull's report: the image, layers fetched
+        and already in the store, bytes fetched. Raises ImageNotFound, RegistryAuthFailed or
+        RegistryUnavailable."""
+        t = await self._ensure()
+        return await t.pull(reference)
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:

@@ -517,6 +517,10 @@ class HttpTransport(Transport):
         out: dict[str, Any] = r.json()
         return out
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        r = await self._request("POST", "/v1/images/pull", json_body={"reference": reference})
+        return dict(r.json())
+
     async def run_code(self, code: str, **kw: Any) -> Any:
         body: dict[str, Any] = {"code": code, **kw}
         # bytes travel as base64 (stdin_b64, files_b64); the server turns them back into bytes

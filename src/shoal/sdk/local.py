@@ -104,6 +104,9 @@ class LocalTransport(Transport):
         res = await build_dockerfile(self.node, build_options(tag, Path(context), **opts), log=log)
         return res.to_dict()
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        return await self.node.pull(reference)
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:

@@ -112,6 +112,12 @@ class Transport(ABC):
 
         raise NotImplementedYet("fork is not available on this transport")
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        """Pull an image from its registry into the store (a PullReport as a dict)."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("pulling images is not available on this transport")
+
     async def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         from shoal.errors import NotImplementedYet

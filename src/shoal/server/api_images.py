@@ -27,6 +27,7 @@ from shoal.server.schemas import (
     BuildIn,
     EnvStep,
     ImageList,
+    ImageRef,
     NewImageName,
     RunCodeIn,
     RunStep,
@@ -41,11 +42,13 @@ RefPath = Annotated[str, PathParam(max_length=300, description="name[:tag] or na
 
 
 class PullIn(BaseModel):
-    """A registry image to copy into the store (with skopeo)."""
+    """A registry image to pull: `reference` (Docker's form, like `docker pull`), or the older skopeo import
+    of `source` (docker://…) under `name` (admin tokens)."""
 
     model_config = ConfigDict(extra="forbid")
-    source: str = Field(..., max_length=1000, description="docker://registry/name:tag")
-    name: NewImageName = Field(..., description="name[:tag] in the store")
+    reference: ImageRef | None = Field(None, description="python:3.12-slim, ghcr.io/org/img:tag, name@sha256:…")
+    source: str | None = Field(None, max_length=1000, description="docker://registry/name:tag (skopeo import)")
+    name: NewImageName | None = Field(None, description="name[:tag] in the store (with `source`)")
     tls_verify: bool = True
 
 
@@ -193,8 +196,9 @@ async def build_dockerfile_image(
                                 platform=platform, no_cache=no_cache,
                                 network=list(egress) if egress and network else network)
 
-            def resolve(ref: str) -> Any:
-                return st.node.store.resolve(_lookup(st, ns, ref))
+            async def resolve(ref: str) -> Any:
+                # the project's image, a shared one, or pulled per pull_policy
+                return await st.node.resolve_image(_lookup(st, ns, ref))
 
             res = st.quotas.reserve(who, 1, opts.cpus, opts.memory_mb)
             try:
@@ -235,13 +239,22 @@ async def import_image(request: Request, who: Who,
     return _report(ns, rep)
 
 
-@router.post("/images/pull", response_model=dict[str, Any], responses=errors(403, 501, 503),
+@router.post("/images/pull", response_model=dict[str, Any], responses=errors(403, 404, 501, 502, 503),
              summary="Pull an image from a registry")
 async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]:
-    """Copy a registry image into the store with skopeo (admin tokens: the server fetches the URL)."""
+    """Pull `reference` from its registry into the shared store (what a create of a missing image does by
+    itself), or import `source` (docker://…) with skopeo under `name` (admin tokens: any URL)."""
     st = state_of(request)
-    require_admin(who, "pulling from a registry")
     ns = Namespace(who)
+    if body.reference is not None:
+        if body.source is not None or body.name is not None:
+            raise InvalidRequest("give `reference` alone, or `source` and `name` (a skopeo import)")
+        out = await st.node.pull(body.reference)
+        out["image"] = ns.show_image(out["image"])
+        return dict(out)
+    if body.source is None or body.name is None:
+        raise InvalidRequest("give `reference` (e.g. python:3.12-slim), or `source` and `name`")
+    require_admin(who, "importing from a registry URL")
     from shoal.images.oci import pull_image as _pull
     rep = await asyncio.to_thread(_pull, st.node.store, body.source, ns.for_write(body.name),
                                   tls_verify=body.tls_verify)

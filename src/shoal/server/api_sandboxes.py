@@ -105,7 +105,8 @@ def _links(status: int, base: dict[int | str, Any], targets: dict[str, dict[str,
 
 
 @router.post("", status_code=201, response_model=SandboxOut, summary="Create a sandbox",
-             responses=_links(201, errors(403, 404, 500, 503, 504), {op: {"sandbox_id": _SB} for op in _ON_SANDBOX}))
+             responses=_links(201, errors(403, 404, 500, 502, 503, 504),
+                              {op: {"sandbox_id": _SB} for op in _ON_SANDBOX}))
 async def create_sandbox(body: SpecIn, request: Request, who: Who) -> dict[str, Any]:
     """Create one sandbox and wait until it is ready (its agent answers)."""
     st = state_of(request)
@@ -119,7 +120,7 @@ async def create_sandbox(body: SpecIn, request: Request, who: Who) -> dict[str, 
     return Namespace(who).show_info(info)
 
 
-@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 500, 503),
+@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 500, 502, 503),
              summary="Create many sandboxes")
 async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[str, Any]:
     """Create `n` sandboxes of one spec in one request; each item is a sandbox or the error it met
@@ -129,7 +130,14 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
         raise InvalidRequest(f"n={body.n} is over this server's batch limit of {st.settings.max_batch}",
                              errors=[{"field": "body.n", "message": f"at most {st.settings.max_batch}"}])
     spec = _spec(st, who, body)
-    st.node.store.resolve(spec.image)  # a missing image fails the request, not every item
+    # a missing image fails the request, not every item (and is pulled once here, not per item)
+    resolve = getattr(st.node, "resolve_image", None)
+    if resolve is not None:
+        await resolve(spec.image)
+    else:  # a cluster gateway: the nodes pull; only refuse what no node could get
+        from shoal.images.pull import check_available
+
+        await asyncio.to_thread(check_available, st.node.store, spec.image)
     if body.all_or_nothing:
         return await _create_gang(st, who, spec, body.n)
     res = st.quotas.reserve(_owner(st, who, spec.project), body.n, spec.cpus, spec.memory_mb, partial=True)
