@@ -44,10 +44,13 @@ CORPUS = Path(__file__).parent / "dockerfile_corpus"
 BASE_TAR = Path("/var/tmp/shoal-corpus-rootfs.tar")
 BASE_PACKAGES = ["ca-certificates", "python3", "python3-pip", "python3-venv", "tar", "passwd"]
 
-#: files whose bytes depend on when they were written (logs, caches stamped with times, byte-compiled
-#: Python, whose header holds its source's mtime): compared by type, mode and owner, not content
+#: files whose bytes depend on when (or on which inode) they were written, under Docker as under shoal:
+#: logs, apt's and ldconfig's binary caches (stamped with the lists' times), byte-compiled Python (its
+#: header holds the source's mtime), git's index (it caches each file's stat: mtimes, inode numbers).
+#: Compared by type, permission bits and owner, not content
 TIME_DEPENDENT = ("var/log/", "var/cache/ldconfig/aux-cache", "var/cache/debconf/", "var/lib/dpkg/status-old",
-                  "var/lib/apt/extended_states")
+                  "var/lib/apt/extended_states", "var/cache/apt/")
+TIME_DEPENDENT_SUFFIXES = (".pyc", ".git/index")
 
 #: per case: paths that differ for a documented reason (docs/images.md, "Known differences")
 KNOWN = {
@@ -109,7 +112,7 @@ def _equal_snapshots(docker_tree: Path, shoal_root: Path, known: set[str]) -> li
         for k in list(snap):
             if k in known:
                 del snap[k]
-            elif k.startswith(TIME_DEPENDENT) or k.endswith(".pyc"):
+            elif k.startswith(TIME_DEPENDENT) or k.endswith(TIME_DEPENDENT_SUFFIXES):
                 snap[k] = snap[k][:4]  # type, mode, owner only
     return diff_trees(a, b, limit=60)
 
