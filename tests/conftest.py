@@ -106,11 +106,16 @@ API_PROJECT = "suite"
 @pytest.fixture(scope="session")
 def api_server(shoal_home: Path, base_image: str) -> Iterator:
     """A real `shoal serve` child process on a free loopback port, sharing the session's SHOAL_HOME, with a
-    token of project `suite` (no quota). Attributes: `.url`, `.token`. Stopped (SIGTERM) at session end."""
+    token of project `suite` (no quota, every priority class granted). Attributes: `.url`, `.token`.
+    Stopped (SIGTERM) at session end."""
+    from shoal.config import settings
     from shoal.server.proc import ServerProcess
-    from shoal.server.tokens import TokenStore
+    from shoal.server.tokens import ProjectPolicy, TokenStore
 
     token = TokenStore(shoal_home).create(API_PROJECT, name="pytest any_client")
+    # the suite's project may use every priority class (a project gets the default one and below unless
+    # the operator grants more: shoal.server.policy), so job tests run alike on both transports
+    TokenStore(shoal_home).set_policy(API_PROJECT, ProjectPolicy(priorities=list(settings().priorities)))
     srv = ServerProcess(log_path=shoal_home / "api-server.log", token=token)
     srv.start()
     yield srv

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.errors import (
     BackendUnavailable,
     CapacityExceeded,
+    EgressForbidden,
     FileNotFound,
     Forbidden,
     GangUnsatisfiable,
@@ -54,7 +55,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
+    "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "EgressForbidden", "ExecResult", "FileNotFound",
     "Forbidden", "GangUnsatisfiable", "ImageBuildError", "ImageCorrupt", "ImageNotFound", "InvalidRequest",
     "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "RegistryAuthFailed", "RegistryUnavailable", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxLost", "SandboxNotFound", "SandboxSpec", "Shell",

@@ -283,7 +283,39 @@ def _egress_sets(v: object) -> object:
     return out
 
 
+def _egress_grants(v: object) -> object:
+    # keywords and CIDR[:ports], comma- or space-separated (a TOML list works too)
+    from shoal.egress import parse_grants
+
+    items = [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    parse_grants(items)  # InvalidRequest (a ValueError) names a bad grant
+    return tuple(items)
+
+
+def _networks(v: object) -> object:
+    import ipaddress
+
+    items = [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    for it in items:
+        try:
+            ipaddress.IPv4Network(it, strict=False)
+        except ValueError:
+            raise ValueError(f"must be IPv4 addresses or CIDRs ({it!r} is not one)") from None
+    return tuple(items)
+
+
+def _host_names(v: object) -> object:
+    items = [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    bad = [h for h in items if not re.fullmatch(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", h)]
+    if bad:
+        raise ValueError(f"must be host names, comma-separated, optionally *.domain ({bad[0]!r} is not one)")
+    return tuple(items)
+
+
 SWAP_POLICY = Conv("auto|0|size", _swap_policy)
+NAMES_OR_EMPTY = Conv("host,…", _host_names)
+EGRESS_GRANTS = Conv("grant,…", _egress_grants)
+NETWORKS = Conv("CIDR,…", _networks)
 EGRESS_SETS = Conv("NAME=rule …;…", _egress_sets)
 def parse_registry_mirrors(v: object) -> dict[str, list[str]]:
     """`"docker.io=http://127.0.0.1:5000 ghcr.io=https://m.example"` (spaces or commas between pairs; a
@@ -434,6 +466,13 @@ class Settings:
     egress_sets: dict[str, list[str]] = setting({}, "network", "named sets of egress rules for network=[...], "
                                                 "added to (or replacing) pypi, npm, debian, github",
                                                 EGRESS_SETS, default_doc="the built-in four")
+    egress_allow: tuple[str, ...] = setting((), "network", "protected destinations every sandbox of this node may "
+                                            "reach: private, metadata, reserved, cluster, or CIDR[:port] "
+                                            "(projects get more with `shoal token policy`)", EGRESS_GRANTS,
+                                            default_doc="none", empty_is_value=True)
+    egress_deny: tuple[str, ...] = setting((), "network", "more addresses no sandbox reaches unless granted, like "
+                                           "the cluster's own nodes (the Ray nodes are added by themselves): "
+                                           "CIDR,…", NETWORKS, default_doc="none", empty_is_value=True)
     dns_upstream: str | None = setting(None, "network", "resolver the DNS proxy of allowlist sandboxes asks "
                                        "(host[:port])", _optional(text(r"[0-9.]+(:[0-9]{1,5})?", "an IPv4 address "
                                                                         "with an optional :port")),
@@ -495,6 +534,10 @@ class Settings:
     api_max_queued: int = setting(4096, "api", "requests per token waiting for a slot; beyond: 429", integer(0))
     api_create_concurrency: int = setting(32, "api", "sandboxes the server creates at once (others queue)", integer(1))
     api_max_batch: int = setting(4096, "api", "largest n of one batch create or fork", integer(1, 4096))
+    api_allowed_hosts: tuple[str, ...] = setting((), "api", "host names a server without tokens answers to besides "
+                                                 "IP addresses and localhost (`*.example.lan` for every name under "
+                                                 "it; guards against DNS rebinding)", NAMES_OR_EMPTY,
+                                                 default_doc="none", empty_is_value=True)
     api_log_level: str = setting("warning", "api", "uvicorn log level",
                                  choice("critical", "error", "warning", "info", "debug", "trace"))
     e2b_templates: dict[str, str] = setting({}, "api", "E2B template IDs mapped to shoal images (E2B-compatible "
@@ -550,6 +593,9 @@ class Settings:
     default_priority: str = setting("interactive", "sched", "class of a sandbox whose labels name none", text())
     preempt: bool = setting(True, "sched", "a create that does not fit pauses idle sandboxes of lower classes "
                             "(they resume on their next call)", BOOL)
+    preempt_across_projects: bool = setting(False, "sched", "a create may pause idle lower-class sandboxes of "
+                                            "other projects too (off: only its own project's); which classes a "
+                                            "project may use is its grant (`shoal token policy`)", BOOL)
     preempt_idle_s: float = setting(60.0, "sched", "only sandboxes idle this long are paused for a higher class (s)",
                                     number(0))
     tides: bool = setting(True, "sched", "pause sandboxes idle over tide_idle_s while the host's memory is tight "

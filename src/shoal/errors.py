@@ -191,6 +191,13 @@ class Forbidden(ShoalError, PermissionError):
     code = "forbidden"
 
 
+class EgressForbidden(Forbidden):
+    """An egress rule reaches a protected destination (a private range, link-local/metadata, the cluster's
+    own nodes) that the operator's egress policy does not grant; `details.rule` names the rule."""
+
+    code = "egress_forbidden"
+
+
 class NotImplementedYet(ShoalError, NotImplementedError):
     """A documented capability this build of shoal does not provide (the message says which)."""
 
@@ -231,6 +238,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         StoreUnavailable,
         Unauthorized,
         Forbidden,
+        EgressForbidden,
         NotImplementedYet,
         Unsupported,
     )

@@ -66,6 +66,10 @@ class SandboxSpec(BaseModel):
     max_output_bytes: int = Field(L.DEFAULT_MAX_OUTPUT_BYTES, ge=L.MAX_OUTPUT_BYTES_RANGE[0],
                                   le=L.MAX_OUTPUT_BYTES_RANGE[1], description="bytes of stdout+stderr kept per command")
     network: bool | Annotated[list[EgressRule], Field(max_length=256)] = Field(False, description=_NETWORK_DOC)
+    egress_grants: Annotated[list[EgressRule], Field(max_length=256)] | None = Field(
+        None, description="protected destinations (private, metadata, reserved, cluster, or CIDR[:port]) this "
+        "sandbox may reach beyond the node's egress_allow: the operator's policy; the API server sets it from "
+        "the caller's project (`shoal token policy`) and ignores what a project token sends (docs/security.md)")
     egress_mbps: float | None = Field(None, gt=0, le=100_000,
                                       description="shape what the sandbox sends to this many Mbit/s (needs a network)")
     ttl_s: float | None = Field(L.DEFAULT_TTL_S, gt=0, le=L.MAX_TTL_S,
@@ -123,6 +127,15 @@ class SandboxSpec(BaseModel):
             from shoal.egress import check_network
 
             check_network(v, settings().egress_sets)  # InvalidRequest names a bad rule (shoal.egress)
+        return v
+
+    @field_validator("egress_grants")
+    @classmethod
+    def _grants_parse(cls, v: list[str] | None) -> list[str] | None:
+        if v:
+            from shoal.egress import parse_grants
+
+            parse_grants(v)  # InvalidRequest names a bad grant
         return v
 
     @model_validator(mode="after")

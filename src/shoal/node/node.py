@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentbin import find_agent_binary
 from shoal.backends.base import Backend, Capability
 from shoal.backends.registry import create_backend
-from shoal.config import NodeConfig
+from shoal.config import NodeConfig, settings
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.fsutil import sha256_file
 from shoal.images.mounts import LayerMounts
@@ -191,8 +191,21 @@ class Node(DataPlane):
         if self._network is None:
             from shoal.node.network import NetworkManager
 
-            self._network = NetworkManager(self.paths)
+            self._network = NetworkManager(self.paths, self.config.node_id)
         return self._network
+
+    def check_egress(self, spec: SandboxSpec) -> None:
+        """EgressForbidden (403, naming the rule) when an allowlist's CIDR rule reaches a protected destination
+        (private, link-local, reserved, the cluster's nodes) that the operator's policy does not grant it
+        (the egress_allow setting plus the spec's egress_grants; see shoal.egress)."""
+        if not isinstance(spec.network, list):
+            return
+        from shoal.egress import check_network, check_policy, grants_for
+
+        policy = check_network(spec.network, settings().egress_sets)
+        if policy is not None and policy.cidrs:
+            check_policy(policy, grants_for(spec.egress_grants, settings().egress_allow), self.network().blocked_nets(),
+                         who=f"project {spec.project!r}")
 
     def backend(self, name: str) -> Backend:
         """The backend object for `name` (see shoal.backends.registry), created on first use."""
@@ -232,6 +245,8 @@ class Node(DataPlane):
         from shoal.spec import check_spec
 
         check_spec(spec)
+        self.check_egress(spec)
+        self.check_egress(spec)
         self.scheduling.check_job(spec)
         image = await self.resolve_image(spec.image)
         if self.pool.active:
@@ -334,6 +349,7 @@ class Node(DataPlane):
         from shoal.spec import check_spec
 
         check_spec(spec)
+        self.check_egress(spec)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_BATCH:
             raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_BATCH}")
         self.scheduling.check_job(spec, n)

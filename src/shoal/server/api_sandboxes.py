@@ -17,6 +17,7 @@ from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
 from shoal.models import SandboxInfo
 from shoal.server.codec import STREAM_JSON_ABOVE, b64decode_field, encode_exec_result, iter_exec_result_json
 from shoal.server.deps import Namespace, ServerState, authorized, owned, state_of
+from shoal.server.policy import apply_policy
 from shoal.server.responses import SANDBOX_ERRORS, errors
 from shoal.server.schemas import (
     BatchIn,
@@ -55,6 +56,7 @@ def _spec(st: ServerState, who: Principal, body: SpecIn) -> SandboxSpec:
         check_project(project)
     data["project"] = project or who.project
     data["image"] = Namespace(who).for_read(st, data["image"])
+    apply_policy(st, who, data)  # the operator's egress grants and priority classes (shoal.server.policy)
     return SandboxSpec(**{k: v for k, v in data.items() if k in _SPEC_FIELDS})
 
 

@@ -153,8 +153,10 @@ async def _create(request: Request) -> Response:
     net = body.get("allow_internet_access")
     network = common.default_network() if net is None else bool(net)
     image = common.resolve_template(st, who, template)
-    spec = SandboxSpec(image=image, ttl_s=float(timeout), env=env, labels=labels, network=network,
-                       project=who.project)
+    from shoal.server.policy import apply_policy
+
+    spec = SandboxSpec(**apply_policy(st, who, {"image": image, "ttl_s": float(timeout), "env": env, "labels": labels,
+                                                "network": network, "project": who.project}))
     from shoal.server.api_sandboxes import _create_one
 
     async with common.slot(st, who):
