@@ -72,7 +72,9 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
         ref = ns.for_read(st, template)
         if st.node.store.exists(ref):
             return ref
-    if template in STOCK_TEMPLATES or template.split(":", 1)[0] in STOCK_TEMPLATES:
+    # a digest names one image exactly: never the stock fallback (`base:latest@sha256:<someone else's>`
+    # is not found, like any digest the caller may not see)
+    if "@" not in template and (template in STOCK_TEMPLATES or template.split(":", 1)[0] in STOCK_TEMPLATES):
         return ns.for_read(st, settings().e2b_default_image or "base")
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")
