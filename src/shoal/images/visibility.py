@@ -72,7 +72,7 @@ def digest_belongs(store: ImageStore, name: str, digest: str) -> bool:
     from shoal.images.pull import REGISTRY_DIGESTS
 
     hit = store.cache_get(REGISTRY_DIGESTS, digest[7:])
-    return bool(hit) and hit.get("manifest") in tags.values()
+    return hit is not None and str(hit.get("manifest")) in set(tags.values())
 
 
 def scoped_ref(store: ImageStore, ref: str, project: str | None) -> str:
@@ -87,8 +87,9 @@ def scoped_ref(store: ImageStore, ref: str, project: str | None) -> str:
         raise ImageNotFound(f"image {ref} not found")
     names = [r.name] if r.name.startswith(mine) else [mine + r.name, r.name]
     if not r.digest:
-        own = f"{names[0]}:{r.tag}"
-        return own if len(names) == 1 or store.exists(own) else f"{r.name}:{r.tag}"
+        if len(names) == 1:
+            return ref
+        return mine + ref if store.exists(mine + ref) else ref
     for n in names:
         if digest_belongs(store, n, r.digest):
             return f"{n}@{r.digest}"
