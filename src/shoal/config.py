@@ -546,6 +546,8 @@ class Settings:
                                      "...) map to", text())
     e2b_network: bool = setting(False, "api", "E2B sandboxes that do not set allow_internet_access get a network",
                                 BOOL)
+    e2b_public_ports: bool = setting(False, "api", "requests to a sandbox's ports (E2B get_host) need no "
+                                     "e2b-traffic-access-token even when the server needs tokens", BOOL)
     # ---- images
     erofs_mount: str = setting("auto", "images", "how EROFS layers mount: file-backed, through a loop device, "
                                "or auto", choice("auto", "file", "loop"))

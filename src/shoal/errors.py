@@ -170,6 +170,13 @@ class AgentProtocolError(SandboxError):
     code = "agent_protocol_error"
 
 
+class PortNotOpen(SandboxError):
+    """Nothing accepts TCP connections on that port inside the sandbox (on its loopback)."""
+
+    http_status = 502
+    code = "port_not_open"
+
+
 class ImageBuildError(ShoalError):
     """An image build step failed; the message carries the failing step and its output tail."""
 
@@ -223,6 +230,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         SandboxNotFound,
         ShellNotFound,
         FileNotFound,
+        PortNotOpen,
         SandboxFileError,
         QuotaExceeded,
         CapacityExceeded,

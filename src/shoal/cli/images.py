@@ -117,7 +117,8 @@ def split_steps(raw: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
 @image_app.command("build", cls=_OrderedCommand)
 def image_build(
     ctx: typer.Context,
-    name: Annotated[str | None, typer.Argument(help="image to build, name[:tag] (`base` is built in)")] = None,
+    name: Annotated[str | None, typer.Argument(
+        help="image to build, name[:tag] (built in: `base`, `code-interpreter`)")] = None,
     file: Annotated[Path | None, typer.Option("-f", "--file", help="recipe file (TOML)")] = None,
     from_: Annotated[str | None, typer.Option("--from", help="image to build on")] = None,
     run: Annotated[list[str] | None, typer.Option("--run", metavar="CMD",
@@ -142,7 +143,7 @@ def image_build(
     if file is None and from_ is None:
         if steps:
             _fail("steps need a parent image: add --from IMAGE (or use -f recipe.toml)", 2)
-        if name is None or name.split(":")[0] == "base":
+        if name is None or name.split(":")[0] in ("base", "code-interpreter"):
             _build_base(name, quiet, as_json)
             return
         _fail(f"nothing to build {name!r} from: give --from IMAGE with steps, or -f recipe.toml", 2)
@@ -205,21 +206,25 @@ def _print_result(img: Any, as_json: bool, verb: str) -> None:
 
 
 def _build_base(name: str | None, quiet: bool, as_json: bool) -> None:
+    """The built-in images: `base`, and `code-interpreter` (base + matplotlib/pandas/IPython, for E2B's run_code)."""
     from shoal.images.base import build_base
+    from shoal.server.compat.interpreter_image import build_interpreter_image
 
     store = _store()
-    ref = name if name and ":" in name else "base:latest"
+    kind = (name or "base").split(":")[0]
+    ref = name if name and ":" in name else f"{kind}:latest"
+    build = build_interpreter_image if kind == "code-interpreter" else build_base
 
     async def go() -> Any:
         import asyncio
 
-        with console.status("building base image (mmdebstrap)…") as status:
+        with console.status(f"building {kind} image (mmdebstrap)…") as status:
             def log(msg: str) -> None:
                 status.update(msg)
                 if not quiet:
                     err_console.print(f"  {escape(msg)}", highlight=False)
 
-            return await asyncio.to_thread(build_base, store, ref, log=log, work_dir=_local_tmp())
+            return await asyncio.to_thread(build, store, ref, log=log, work_dir=_local_tmp())
 
     _print_result(run_async(go), as_json, "built")
 
