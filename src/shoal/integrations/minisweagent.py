@@ -38,10 +38,15 @@ import re
 import threading
 from typing import Any
 
+# mini-swe-agent prints a banner to stdout on import unless told not to: a library import (this module imported
+# by a trainer's rollout worker) must not write to the process's stdout; its `mini` CLI imports it first anyway
+os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+
 from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shoal.config import settings
 from shoal.errors import InvalidRequest, ShoalError
 from shoal.sdk.sync import SyncClient, SyncSandbox, shared_client
 from shoal.spec import SandboxSpec
@@ -156,7 +161,8 @@ class ShoalEnvironment:
         for key in DOCKER_ONLY:
             if getattr(c, key):
                 self.logger.debug("ShoalEnvironment ignores the Docker option %s=%r", key, getattr(c, key))
-        client = client_for(c.url or os.environ.get("SHOAL_URL"), c.token or os.environ.get("SHOAL_TOKEN"))
+        st = settings()  # $SHOAL_URL / $SHOAL_TOKEN (or the config file's client section)
+        client = client_for(c.url or st.url, c.token or st.token)
         if c.sandbox_id:
             self.sandbox = client.get(c.sandbox_id)
             return
