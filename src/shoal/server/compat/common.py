@@ -96,7 +96,9 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
         ref = ns.for_read(st, template)
         if st.node.store.exists(ref):
             return ref
-    if template in STOCK_TEMPLATES or template.split(":", 1)[0] in STOCK_TEMPLATES:
+    # a digest names one image exactly: never the stock fallback (`base:latest@sha256:<someone else's>`
+    # is not found, like any digest the caller may not see)
+    if "@" not in template and (template in STOCK_TEMPLATES or template.split(":", 1)[0] in STOCK_TEMPLATES):
         if template.split(":", 1)[0] in INTERPRETER_TEMPLATES:
             interpreter = interpreter_image(st)
             if interpreter is not None:
