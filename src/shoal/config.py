@@ -449,7 +449,8 @@ class Settings:
     sealed_runtime: bool = setting(True, "node", "run the OCI runtime from a sealed in-memory copy", BOOL)
     mntns: bool = setting(True, "node", "start containers through the mount-namespace helper (C, built once)",
                           BOOL)
-    sh: bool = setting(False, "node", "string commands run with /bin/sh -c instead of /bin/bash -c", BOOL)
+    sh: bool = setting(False, "node", "string commands always run with /bin/sh -c (default: /bin/bash where the image "
+                                   "has it, else /bin/sh)", BOOL)
     events: bool = setting(True, "node", "keep the node's event log ($SHOAL_HOME/events: created, paused, resumed, "
                            "oom, timeout, lost, closed; read by `shoal events`, the SDK and the dashboard)", BOOL)
     events_commands: bool = setting(True, "node", "also log every finished command (cut to 300 characters) with "
@@ -566,6 +567,8 @@ class Settings:
                                      "...) map to", text())
     e2b_network: bool = setting(False, "api", "E2B sandboxes that do not set allow_internet_access get a network",
                                 BOOL)
+    e2b_public_ports: bool = setting(False, "api", "requests to a sandbox's ports (E2B get_host) need no "
+                                     "e2b-traffic-access-token even when the server needs tokens", BOOL)
     # ---- images
     erofs_mount: str = setting("auto", "images", "how EROFS layers mount: file-backed, through a loop device, "
                                "or auto", choice("auto", "file", "loop"))

@@ -170,6 +170,20 @@ class AgentProtocolError(SandboxError):
     code = "agent_protocol_error"
 
 
+class NoShell(InvalidRequest):
+    """A command given as a string needs a shell, and the sandbox's image has neither /bin/bash nor /bin/sh
+    (a distroless or scratch image): pass the command as an argv list instead."""
+
+    code = "no_shell"
+
+
+class PortNotOpen(SandboxError):
+    """Nothing accepts TCP connections on that port inside the sandbox (on its loopback)."""
+
+    http_status = 502
+    code = "port_not_open"
+
+
 class ImageBuildError(ShoalError):
     """An image build step failed; the message carries the failing step and its output tail."""
 
@@ -223,6 +237,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         SandboxNotFound,
         ShellNotFound,
         FileNotFound,
+        PortNotOpen,
         SandboxFileError,
         QuotaExceeded,
         CapacityExceeded,
@@ -234,6 +249,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         NodeUnavailable,
         AgentProtocolError,
         ImageBuildError,
+        NoShell,
         ImageCorrupt,
         StoreUnavailable,
         Unauthorized,

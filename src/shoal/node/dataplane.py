@@ -23,6 +23,7 @@ from shoal.models import DirEntry, ExecResult
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.agentproto.relay import PortStream, WatchStream
     from shoal.config import NodeConfig
     from shoal.node.events import EventLog
     from shoal.node.records import SandboxRecord
@@ -33,6 +34,8 @@ class DataPlane:
 
     config: NodeConfig
     events: EventLog
+    #: image digest -> the shell its string commands run with (see shell_of)
+    _image_shells: dict[str, str]
 
     def check_oom(self, rec: SandboxRecord, *, cmd: str | list[str] | None = None,
                   when: str = "") -> int:  # pragma: no cover - provided by Node
@@ -59,12 +62,55 @@ class DataPlane:
         raise NotImplementedError
 
     # ---- commands -------------------------------------------------------------------------------
+    async def shell_of(self, rec: SandboxRecord) -> str:
+        """The shell string commands run with in this sandbox: /bin/bash where its image has bash, else
+        /bin/sh (busybox, alpine), decided once per image on this node by asking the agent (lstat inside
+        the sandbox, so symlinked /bin of merged-usr images resolves as the image has it). The node
+        setting `sh` forces /bin/sh. NoShell when the image has neither."""
+        if self.config.posix_sh:
+            return "/bin/sh"
+        cache = self._image_shells
+        key = rec.image_digest or rec.image
+        shell = cache.get(key)
+        if shell is None:
+            shell = await self._probe_shell(rec)
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = shell
+        return shell
+
+    def backend(self, name: str) -> Any:  # pragma: no cover - provided by Node
+        """The node's backend of this name."""
+        raise NotImplementedError
+
+    async def _probe_shell(self, rec: SandboxRecord) -> str:
+        from shoal.errors import FileNotFound, NoShell
+
+        fixed = getattr(self.backend(rec.backend), "string_shell", None)
+        if fixed is not None:  # a backend whose commands do not run in the image (the fake one)
+            return str(fixed(rec))
+        for shell in ("/bin/bash", "/bin/sh"):
+            def look(c: AgentClient, path: str = shell) -> Any:
+                return c.stat(path)
+
+            try:
+                await self.call(rec, look)
+                return shell
+            except FileNotFound:
+                continue
+            except InvalidRequest:
+                return shell  # it is there but cannot be looked at (permissions): let exec say what is wrong
+        raise NoShell(f"image {rec.image} has neither /bin/bash nor /bin/sh, so a command given as a string "
+                      "cannot run: pass it as an argv list, e.g. exec(['/usr/bin/python3', '-c', 'print(1)'])",
+                      image=rec.image)
+
     async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                    cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                    stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
         """Run a command to completion in the sandbox."""
-        argv = _argv(cmd, self.config.posix_sh)
+        _argv(cmd, "/bin/sh")  # a bad command fails before the record is read
         rec = self.record(sandbox_id)
+        argv = _argv(cmd, await self.shell_of(rec) if isinstance(cmd, str) else "")
         cwd, user = _exec_defaults(rec, cwd, user)
         cap = _output_cap(rec, max_output)
         check_env(env)
@@ -77,16 +123,18 @@ class DataPlane:
 
     async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
-                     tty: bool = False, stdin: bool = False) -> Any:
-        """Start a command and return its stream handle (async iterator of StreamEvent)."""
-        argv = _argv(cmd, self.config.posix_sh)
+                     tty: bool = False, stdin: bool = False, max_output: int | None = None) -> Any:
+        """Start a command and return its stream handle (async iterator of StreamEvent). `max_output` caps
+        each output stream (bytes, 0 = no cap; default: the sandbox's `max_output_bytes`)."""
+        _argv(cmd, "/bin/sh")
         rec = self.record(sandbox_id)
+        argv = _argv(cmd, await self.shell_of(rec) if isinstance(cmd, str) else "")
         cwd, user = _exec_defaults(rec, cwd, user)
         check_env(env)
         check_timeout(timeout)
         c = await self.client(sandbox_id, rec)
         # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
-        cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
+        cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES)) if max_output is None else max_output
         t0 = time.perf_counter()
         h = await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
                                 tty=tty, stdin=stdin)
@@ -122,6 +170,11 @@ class DataPlane:
                          user: str | None = None) -> str:
         """Start a persistent bash session in the sandbox; returns its id."""
         rec = self.record(sandbox_id)
+        if not self.config.posix_sh and await self.shell_of(rec) != "/bin/bash":
+            from shoal.errors import NoShell
+
+            raise NoShell(f"persistent shells run bash, and image {rec.image} has only /bin/sh: use exec() or "
+                          "stream() (string commands run with /bin/sh there)", image=rec.image)
         cwd, user = _exec_defaults(rec, cwd, user)
         check_env(env)
         return await self.call(rec, lambda c: c.shell_open(cwd=cwd, env=env, user=user))
@@ -143,6 +196,21 @@ class DataPlane:
         """End a shell session and its processes."""
         rec = self.record(sandbox_id)
         await self.call(rec, lambda c: c.shell_close(shell_id))
+
+    # ---- ports and watches ----------------------------------------------------------------------
+    async def open_port(self, sandbox_id: str, port: int, *, timeout: float | None = 10.0) -> PortStream:
+        """A TCP connection to `port` on the sandbox's own loopback, opened by its agent from inside (so also
+        for sandboxes without a network, and VMs). Nothing listening → PortNotOpen."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidRequest(f"port must be an integer between 1 and 65535, not {port!r}")
+        rec = self.record(sandbox_id)
+        return await self.call(rec, lambda c: c.tcp_connect(port, timeout=timeout))
+
+    async def watch(self, sandbox_id: str, path: str, *, recursive: bool = False) -> WatchStream:
+        """inotify events of a directory in the sandbox (relative paths start at its workdir)."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        return await self.call(rec, lambda c: c.watch(path, recursive=recursive))
 
 
 class LoggedStream:
@@ -177,11 +245,11 @@ class LoggedStream:
         return getattr(self._inner, name)
 
 
-def _argv(cmd: str | list[str], posix_sh: bool) -> list[str]:
+def _argv(cmd: str | list[str], shell: str) -> list[str]:
     if isinstance(cmd, str):
         if not cmd.strip():
             raise InvalidRequest("command is empty")
-        return ["/bin/sh", "-c", cmd] if posix_sh else ["/bin/bash", "-c", cmd]
+        return [shell, "-c", cmd]
     if not cmd or not all(isinstance(a, str) for a in cmd):
         raise InvalidRequest("command must be a non-empty string or list of strings")
     return list(cmd)

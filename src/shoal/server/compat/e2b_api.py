@@ -98,7 +98,20 @@ def _str_map(value: Any, field: str) -> dict[str, str]:
 
 
 def _metadata(labels: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in labels.items() if k != common.TEMPLATE_LABEL}
+    return {k: v for k, v in labels.items() if not k.startswith(common.LABEL_PREFIX)}
+
+
+def _public_traffic(body: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
+    """`network.allowPublicTraffic` of a create request (whether its ports need the traffic access token),
+    and the body without it (any other network option is still refused)."""
+    net = body.get("network")
+    if not isinstance(net, dict) or "allowPublicTraffic" not in net:
+        return None, body
+    net = dict(net)
+    public = net.pop("allowPublicTraffic")
+    if public is not None and not isinstance(public, bool):
+        raise InvalidRequest("network.allowPublicTraffic must be a boolean")
+    return public, {**body, "network": net or None}
 
 
 def created(st: ServerState, who: Principal, info: SandboxInfo | SandboxRecord) -> dict[str, Any]:
@@ -138,6 +151,7 @@ async def _create(request: Request) -> Response:
     template = body.get("templateID")
     if not isinstance(template, str) or not template.strip():
         raise InvalidRequest("templateID is required (an E2B template ID or a shoal image name)")
+    public, body = _public_traffic(body)
     for unsupported, what in (("mcp", "MCP servers"), ("volumeMounts", "volume mounts"), ("iam", "workload identity"),
                               ("network", "network rules (allow_out/deny_out)")):
         if body.get(unsupported):
@@ -149,6 +163,8 @@ async def _create(request: Request) -> Response:
     timeout = _timeout(body["timeout"]) if body.get("timeout") is not None else DEFAULT_TIMEOUT_S
     labels = _str_map(body.get("metadata"), "metadata")
     labels[common.TEMPLATE_LABEL] = template
+    if public is not None:
+        labels[common.PUBLIC_PORTS_LABEL] = "true" if public else "false"
     env = _str_map(body.get("envVars"), "envVars")
     net = body.get("allow_internet_access")
     network = common.default_network() if net is None else bool(net)
@@ -172,10 +188,12 @@ async def _create(request: Request) -> Response:
 
 def prune(st: ServerState) -> None:
     """Forget what the compat layer holds for sandboxes that are gone (closed elsewhere, or by their TTL)."""
-    from shoal.server.compat import e2b_interpreter, swerex
+    from shoal.server.compat import e2b_interpreter, e2b_watch, swerex
 
     with contextlib.suppress(Exception):
         e2b_interpreter.contexts(st).prune(st)
+    with contextlib.suppress(Exception):
+        e2b_watch.watchers(st).prune(st)
     with contextlib.suppress(Exception):
         swerex.prune(st)
 
@@ -271,11 +289,13 @@ async def kill_sandbox(sandbox_id: str, request: Request) -> Response:
 
 
 async def forget_sandbox(st: ServerState, sandbox_id: str) -> None:
-    """Drop what the compat layer keeps in memory for a sandbox (processes, interpreter contexts)."""
-    from shoal.server.compat import e2b_interpreter, e2b_procs
+    """Drop what the compat layer keeps in memory for a sandbox (processes, interpreter contexts, watchers)."""
+    from shoal.server.compat import e2b_interpreter, e2b_procs, e2b_watch
 
     with contextlib.suppress(Exception):
         await e2b_procs.table(st).drop(sandbox_id)
+    with contextlib.suppress(Exception):
+        await e2b_watch.watchers(st).drop(sandbox_id)
     with contextlib.suppress(Exception):
         await e2b_interpreter.contexts(st).drop_sandbox(sandbox_id)
 
