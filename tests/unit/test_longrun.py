@@ -442,3 +442,16 @@ def test_node_swap_cli_shows_what_a_node_would_make() -> None:
     r = subprocess.run([sys.executable, "-m", "shoal.cli.main", "node", "swap", "--auto", "--off"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "one of --zram SIZE, --auto or --off" in r.stderr
+
+
+async def test_connections_are_given_back_early_when_descriptors_run_short(node: Node) -> None:
+    boxes = [await node.create(spec(memory_mb=64)) for _ in range(3)]
+    await asyncio.sleep(1.1)
+    assert len(node.connections) == 3  # idle 1 s, far from SHOAL_AGENT_IDLE_S: kept
+    node.capacity.limits = _limits(nofile=capacity.open_descriptors() + 1)
+    node.capacity._fds_at = 0.0
+    assert node.capacity.descriptors_short() and node.capacity.check(spec()) is not None
+    node.connections.forget(boxes[0].id)  # (dropped without closing: the next request connects anew)
+    assert (await node.exec(boxes[0].id, "true")).exit_code == 0
+    assert len(node.connections) == 1  # the two idle ones were closed to make room
+    node.capacity.refresh()

@@ -150,6 +150,11 @@ class HostCapacity:
             self._fds_at = now
         return self._fds
 
+    def descriptors_short(self) -> bool:
+        """True when the node has used more than 80% of what its RLIMIT_NOFILE leaves after the reserve."""
+        lim = self.limits.nofile
+        return self.descriptors() > 0.8 * (lim - reserve(lim, 64))
+
     def check(self, spec: SandboxSpec | Any, n: int = 1) -> CapacityExceeded | None:
         """The refusal `n` more creates of `spec` get now for a resource other than memory, or None."""
         lim = self.limits

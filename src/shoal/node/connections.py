@@ -94,9 +94,11 @@ class AgentConnections:
                 await c.close()
 
     # ---- closing idle connections ------------------------------------------------------------------
-    def idle(self, now: float | None = None) -> list[str]:
-        """Sandboxes whose connection may be closed now: sweepable, nothing open on it, unused `idle_s`."""
-        if self.idle_s <= 0:
+    def idle(self, now: float | None = None, idle_s: float | None = None) -> list[str]:
+        """Sandboxes whose connection may be closed now: sweepable, nothing open on it, unused `idle_s`
+        (default: the configured one)."""
+        idle_s = self.idle_s if idle_s is None else idle_s
+        if idle_s <= 0:
             return []
         now = time.monotonic() if now is None else now
         out = []
@@ -106,14 +108,14 @@ class AgentConnections:
             if c is None:
                 continue
             last = max(self._used.get(sid, 0.0), c.last_active)
-            if not c.busy and now - last >= self.idle_s:
+            if not c.busy and now - last >= idle_s:
                 out.append(sid)
         return out
 
-    async def sweep(self, now: float | None = None) -> int:
+    async def sweep(self, now: float | None = None, idle_s: float | None = None) -> int:
         """Close the idle connections (`idle`); returns how many. Closed ones reopen on the next request."""
         gone = []
-        for sid in self.idle(now):
+        for sid in self.idle(now, idle_s):
             c = self._clients.pop(sid, None)
             self._used.pop(sid, None)
             self._sweepable.discard(sid)

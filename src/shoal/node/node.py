@@ -586,6 +586,10 @@ class Node(DataPlane):
         backend = self.backend(rec.backend)
         if not backend.alive(rec):
             raise SandboxError(f"sandbox {sandbox_id} has died (its init process is gone); close it")
+        if self.capacity.descriptors_short():
+            # requests to many sandboxes at once (an exec in each of 10,000): do not wait SHOAL_AGENT_IDLE_S
+            # to give back the connections they are done with
+            await self.connections.sweep(idle_s=1.0)
         return await self.connections.connect(rec, backend, timeout=10.0)
 
     async def call(self, rec: SandboxRecord, fn: Callable[[AgentClient], Any]) -> Any:
