@@ -98,8 +98,9 @@ async def kill_and_forget(rec: SandboxRecord, rt: OciRuntime, timeout: float = 5
         return False
     if rec.init_alive():
         if rec.cgroup:
-            # a frozen (paused) task cannot die of SIGKILL under the v1 freezer: thaw it first
-            cgroups.SandboxCgroup(rec.cgroup).set_frozen(False)
+            # a frozen (paused) task cannot die of SIGKILL under the v1 freezer: thaw it first (in a thread:
+            # a cgroupfs write waits on the kernel's cgroup locks, which thousands of closes contend for)
+            await asyncio.to_thread(cgroups.SandboxCgroup(rec.cgroup).set_frozen, False)
         try:
             pidfd = os.pidfd_open(rec.init_pid)
         except ProcessLookupError:
@@ -123,7 +124,7 @@ async def kill_and_forget(rec: SandboxRecord, rt: OciRuntime, timeout: float = 5
                         loop.remove_reader(pidfd)
             finally:
                 os.close(pidfd)
-    shutil.rmtree(state, ignore_errors=True)
+    await asyncio.to_thread(shutil.rmtree, state, True)  # 12% of the node's loop when 10,000 closed at once
     return True
 
 
@@ -454,11 +455,10 @@ class ContainerBackend(Backend):
         if rec.init_pid and rec.init_alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rec.init_pid, 9)
-        if rec.cgroup and cgroups.exists_anywhere(rec.cgroup):
-            # the runtime's delete removed them already unless it failed (or was not asked: kill_and_forget)
-            await asyncio.to_thread(cgroups.remove_tree, rec.cgroup)
-            if cgroups.exists_anywhere(rec.cgroup):
-                errors.append(f"cgroup {rec.cgroup} could not be removed")
+        # the runtime's delete removed them already unless it failed (or was not asked: kill_and_forget);
+        # in a thread, checks included: with 10,000 closes at once, stat in cgroupfs was a fifth of the loop
+        if rec.cgroup and not await asyncio.to_thread(cgroups.remove_if_there, rec.cgroup):
+            errors.append(f"cgroup {rec.cgroup} could not be removed")
         # a batch sandbox's cpu cgroup beside /shoal (empty once its killed processes are gone)
         if ((rec.extra.get("cpu") or {}).get("cgroup") or demoted) and \
                 not await asyncio.to_thread(cpuclass.forget, rec.id):

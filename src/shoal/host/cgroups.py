@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import time
 from pathlib import Path
@@ -13,10 +14,17 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def cgroup_mode() -> str:
-    """'v2' (unified), 'hybrid' (v1 controllers + a v2 tree) or 'v1'."""
-    if (CGROUP_ROOT / "cgroup.controllers").exists():
+    """'v2' (unified), 'hybrid' (v1 controllers + a v2 tree) or 'v1'. (Read once per CGROUP_ROOT: it is
+    asked on every cgroup access, and a stat in cgroupfs can wait on the kernel's cgroup locks.)"""
+    return _mode_of(str(CGROUP_ROOT))
+
+
+@functools.lru_cache(maxsize=8)
+def _mode_of(root: str) -> str:
+    r = Path(root)
+    if (r / "cgroup.controllers").exists():
         return "v2"
-    if (CGROUP_ROOT / "unified").is_dir():
+    if (r / "unified").is_dir():
         return "hybrid"
     return "v1"
 
@@ -141,6 +149,15 @@ def _rmdir(path: str, wait_s: float) -> None:
             if e.errno != errno.EBUSY or time.monotonic() > deadline:
                 return
             time.sleep(0.002)
+
+
+def remove_if_there(rel_path: str, wait_s: float = 1.0) -> bool:
+    """`remove_tree` when the cgroup exists anywhere; True when nothing of it is left. Blocking (stat and
+    rmdir in cgroupfs wait on the kernel's cgroup locks): run it in a thread."""
+    if not exists_anywhere(rel_path):
+        return True
+    remove_tree(rel_path, wait_s)
+    return not exists_anywhere(rel_path)
 
 
 def remove_tree(rel_path: str, wait_s: float = 1.0) -> None:
