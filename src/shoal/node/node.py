@@ -152,7 +152,7 @@ class Node(DataPlane):
         if reap:
             self.recovery.start_reaper()
             self.scheduling.start()
-            self.connections.start()
+        self.connections.start()  # idle connections go in every node process (a CLI's create -n 10000 too)
         self._started = True
         if self.config.warm_pool:
             from shoal.spec import SandboxSpec
