@@ -371,6 +371,69 @@ def image_pull(
                   highlight=False)
 
 
+@image_app.command("export")
+def image_export(
+    name: Annotated[str, typer.Argument(help="the image (name[:tag] or name@sha256:…)")],
+    output: Annotated[str, typer.Option("--output", "-o", help="the archive to write, or - for stdout")],
+    tag: Annotated[list[str] | None, typer.Option("--tag", "-t", help="RepoTags in the archive (default: "
+                                                                       "the image's name:tag)")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Write an image as a docker-archive: `shoal image export task-17:step3 -o x.tar && docker load -i x.tar`."""
+    import sys
+
+    from shoal.images.export import export_image
+
+    store = _store()
+
+    def log(msg: str) -> None:
+        if not quiet:
+            err_console.print(f"  {escape(msg)}", highlight=False)
+
+    async def go() -> Any:
+        import asyncio
+
+        target: Any = sys.stdout.buffer if output == "-" else Path(output)
+        return await asyncio.to_thread(export_image, store, name, target, repo_tags=tag or None, log=log,
+                                       work_dir=_local_tmp())
+
+    rep = run_async(go)
+    if output != "-":
+        console.print(f"[green]exported[/green] {rep.image} to {output} ({rep.layers} layers, {_mib(rep.bytes)}, "
+                      f"{rep.seconds:.1f}s)", highlight=False)
+
+
+@image_app.command("push")
+def image_push(
+    name: Annotated[str, typer.Argument(help="the image in the store")],
+    reference: Annotated[str, typer.Argument(help="where to push it: registry/repository:tag "
+                                                  "(e.g. localhost:5000/team/env:1)")],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Push an image to a registry (Docker v2, gzip layers; blobs it has are skipped; Docker's credentials)."""
+    from shoal.images.export import push_image
+
+    store = _store()
+
+    def log(msg: str) -> None:
+        if not quiet and not as_json:
+            err_console.print(f"  {escape(msg)}", highlight=False)
+
+    async def go() -> Any:
+        import asyncio
+
+        return await asyncio.to_thread(push_image, store, name, reference, progress=log, work_dir=_local_tmp())
+
+    rep = run_async(go)
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=1))
+        return
+    console.print(f"[green]pushed[/green] {rep.image} to {rep.target} {rep.manifest_digest[:19]} "
+                  f"({rep.layers_uploaded} layers uploaded, {rep.layers_present} already there, "
+                  f"{_mib(rep.bytes)})", highlight=False)
+
+
 @image_app.command("import")
 def image_import(
     source: Annotated[str, typer.Argument(help="FILE.tar (docker save / OCI layout, maybe .gz/.zst) or "
