@@ -30,6 +30,7 @@ SCENARIOS: dict[str, str] = {
     "cluster": "shoal.bench.scenarios.cluster",
     "store": "shoal.bench.scenarios.store",
     "build": "shoal.bench.scenarios.build",
+    "pull": "shoal.bench.scenarios.pull",
     "gvisor": "shoal.bench.scenarios.gvisor",
     "dashboard": "shoal.bench.scenarios.dashboard",
     "soak": "shoal.bench.scenarios.soak",
@@ -39,7 +40,7 @@ SCENARIOS: dict[str, str] = {
 ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api", "ui": "dashboard", "events": "dashboard",
                            "e2b": "compat", "swerex": "compat", "ray": "cluster",
-                           "dockerfile": "build", "churn": "soak"}
+                           "dockerfile": "build", "churn": "soak", "registry": "pull", "registries": "pull"}
 
 
 class UnknownScenario(ValueError):
