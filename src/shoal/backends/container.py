@@ -350,6 +350,7 @@ class ContainerBackend(Backend):
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
                 proc_binds=rt.proc_binds, **gf.config_args(spec.memory_mb, swap_mb),
                 agent_run_dir=str(run_dir) if run_dir else None, bind_tmp=rt.own_tmp and _tmp_dir(rootfs),
+                extra_mounts=rec.extra.get("build_mounts"),
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()

@@ -118,8 +118,10 @@ def split_steps(raw: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
 def image_build(
     ctx: typer.Context,
     name: Annotated[str | None, typer.Argument(
-        help="image to build, name[:tag] (built in: `base`, `code-interpreter`)")] = None,
-    file: Annotated[Path | None, typer.Option("-f", "--file", help="recipe file (TOML)")] = None,
+        help="image to build, name[:tag] (built in: `base`, `code-interpreter`); with -t: the build CONTEXT "
+             "directory")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file",
+                                              help="recipe file (TOML), or the Dockerfile with -t")] = None,
     from_: Annotated[str | None, typer.Option("--from", help="image to build on")] = None,
     run: Annotated[list[str] | None, typer.Option("--run", metavar="CMD",
                                                   help="a step: run CMD with /bin/sh -c")] = None,
@@ -136,10 +138,31 @@ def image_build(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="rebuild every step")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the result")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the image as JSON")] = False,
+    tag: Annotated[str | None, typer.Option(
+        "-t", "--tag", metavar="NAME[:TAG]",
+        help="Dockerfile build: the image to make (then NAME is the CONTEXT)")] = None,
+    build_arg: Annotated[list[str] | None, typer.Option("--build-arg", metavar="K=V",
+                                                        help="Dockerfile build argument (repeatable)")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="Dockerfile stage to build")] = None,
+    platform: Annotated[str | None, typer.Option("--platform", help="linux/amd64 (the only one built here)")] = None,
+    secret: Annotated[list[str] | None, typer.Option("--secret", metavar="id=ID,src=FILE",
+                                                     help="a secret for RUN --mount=type=secret")] = None,
+    from_map: Annotated[list[str] | None, typer.Option("--from-map", metavar="NAME=IMAGE",
+                                                       help="build FROM NAME with shoal image IMAGE instead")] = None,
 ) -> None:
-    """Build an image: `shoal image build base`, from a recipe file (`-f recipe.toml`), or from steps: `shoal image build proj:v1 --from base --copy ./src /work --run "pip install -e /work"`."""  # noqa: E501
+    """Build an image: from a Dockerfile like `docker build` (`shoal image build -t app:1 [-f Dockerfile] [--build-arg K=V] [--target STAGE] CONTEXT`), `shoal image build base`, from a recipe file (`-f recipe.toml`), or from steps: `shoal image build proj:v1 --from base --copy ./src /work --run "pip install -e /work"`."""  # noqa: E501
     # the step options were taken out of the command line in order (see _OrderedCommand)
     steps = ctx.meta.get("shoal.steps", [])
+    if tag is not None or (file is not None and not str(file).endswith(".toml") and from_ is None and not steps):
+        if from_ is not None or steps:
+            _fail("a Dockerfile build (-t) takes no --from/--run/--copy steps", 2)
+        if tag is None:
+            _fail("name the image: shoal image build -t NAME[:TAG] [-f Dockerfile] CONTEXT", 2)
+        _build_dockerfile(str(tag), name or ".", file, build_arg or [], target, platform, secret or [],
+                          from_map or [], no_cache, network, quiet, as_json)
+        return
+    if name is not None and Path(name).is_dir() and file is None and from_ is None and not steps:
+        _fail(f"{name} is a directory: to build its Dockerfile, name the image with -t NAME[:TAG]", 2)
     if file is None and from_ is None:
         if steps:
             _fail("steps need a parent image: add --from IMAGE (or use -f recipe.toml)", 2)
@@ -181,6 +204,67 @@ def image_build(
 
     img = run_async(go)
     _print_result(img, as_json, "built")
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for it in items:
+        k, eq, v = it.partition("=")
+        if not k or not eq:
+            _fail(f"{what} {it!r} must look like NAME=VALUE", 2)
+        out[k] = v
+    return out
+
+
+def _build_dockerfile(tag: str, context: str, file: Path | None, build_args: list[str], target: str | None,
+                      platform: str | None, secrets: list[str], from_map: list[str], no_cache: bool,
+                      network: bool | None, quiet: bool, as_json: bool) -> None:
+    import os
+
+    from shoal.errors import ShoalError
+    from shoal.images.dockerbuild import BuildOptions, build_dockerfile
+
+    args = {}
+    for it in build_args:
+        k, eq, v = it.partition("=")
+        if not k:
+            _fail(f"--build-arg {it!r} must look like NAME=VALUE", 2)
+        # as in Docker: `--build-arg NAME` takes NAME's value from the environment (skipped when unset)
+        if eq:
+            args[k] = v
+        elif k in os.environ:
+            args[k] = os.environ[k]
+    sec: dict[str, Path] = {}
+    for it in secrets:
+        f = dict(p.partition("=")[::2] for p in it.split(","))
+        sid, src = f.get("id"), f.get("src") or f.get("source")
+        if not sid or not src:
+            _fail(f"--secret {it!r} must look like id=ID,src=FILE", 2)
+        sec[str(sid)] = Path(str(src))
+    ctx_dir = Path(context)
+    df = file if file is None or file.is_absolute() or file.exists() else ctx_dir / file
+    try:
+        opts = BuildOptions(tag=tag, context=ctx_dir, dockerfile=df, build_args=args, target=target,
+                            no_cache=no_cache, platform=platform, from_map=_pairs(from_map, "--from-map"),
+                            network=True if network is None else network, secrets=sec)
+        opts.check()
+    except ShoalError as e:
+        _fail(e.message, 2)
+
+    async def go() -> Any:
+        from shoal.node.node import Node
+
+        node = Node()
+        await node.start(reap=False, reconcile=False)
+        try:
+            return await build_dockerfile(node, opts, log=None if quiet else _build_log)
+        finally:
+            await node.stop()
+
+    res = run_async(go)
+    for w in res.warnings:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
+    _print_result(res.image, as_json, "built")
 
 
 def _build_log(line: str) -> None:
@@ -241,7 +325,7 @@ def image_pull(
     once: layers the store already has are not fetched)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from shoal.images.pull import PullEvent, from_registry, pull_image, resolve_local
+    from shoal.images.pull import PullEvent, pull_image
 
     store = _store()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -267,9 +351,7 @@ def image_pull(
         import asyncio
 
         def run() -> Any:
-            prev = resolve_local(store, reference)
-            return pull_image(store, reference, progress=on_event, work_dir=_local_tmp(),
-                              previous=prev if prev is not None and from_registry(prev) else None)
+            return pull_image(store, reference, progress=on_event, work_dir=_local_tmp())
 
         with progress:
             return await asyncio.to_thread(run)

@@ -124,6 +124,18 @@ class Transport(ABC):
 
         raise NotImplementedYet("listing images is not available on this transport")
 
+    async def image(self, ref: str) -> dict[str, Any]:
+        """One image: name, tag, digest, layers, config (entrypoint, cmd, env, workdir, user, labels…)."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("looking up images is not available on this transport")
+
+    async def build_image(self, tag: str, context: str, **opts: Any) -> dict[str, Any]:
+        """Build a Dockerfile (`docker build` semantics) into image `tag`; see Client.build_image."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("building images is not available on this transport")
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:
