@@ -46,6 +46,7 @@ class _Store:
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self.root = "/fake-store"
+        self.tags_dir = Path("/nonexistent/fake-store/tags")  # no tag files: digests belong to no name here
 
     def exists(self, ref: str) -> bool:
         return ref.split(":")[0] in self.names
