@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,18 +126,23 @@ def _writer(root: str, src: str, n: int, q: multiprocessing.Queue) -> None:
     q.put(out)
 
 
-def _checker(root: str, stop_at: float, q: multiprocessing.Queue) -> None:
-    # whenever a layer looks complete (metadata present), its data must already be whole
+def _checker(root: str, writers_done: Any, q: multiprocessing.Queue) -> None:
+    # whenever a layer looks complete (metadata present), its data must already be whole; it watches until
+    # the writers are done and then looks once more (never for a fixed time: on a busy host the writers may
+    # not have made a layer within any given window)
     st = ImageStore(Path(root))
     bad = []
     seen = 0
-    while time.time() < stop_at:
+    while True:
+        last = writers_done.is_set()
         for meta in st.layers_dir.glob("*.json"):
             data = meta.with_suffix(".erofs")
             if data.exists():
                 seen += 1
                 if sha256_file(data) != meta.stem:
                     bad.append(meta.stem)
+        if last:
+            break
     q.put((seen, bad))
 
 
@@ -146,11 +151,14 @@ def test_concurrent_builders_of_the_same_layer_never_corrupt_it(store: ImageStor
     ctx = multiprocessing.get_context("spawn")
     q: multiprocessing.Queue = ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(str(store.root), str(src), 8, q)) for _ in range(2)]
-    checker = ctx.Process(target=_checker, args=(str(store.root), time.time() + 6, q))
+    writers_done = ctx.Event()
+    checker = ctx.Process(target=_checker, args=(str(store.root), writers_done, q))
     checker.start()
     for p in procs:
         p.start()
-    results = [q.get(timeout=120) for _ in range(3)]
+    results = [q.get(timeout=300) for _ in range(2)]
+    writers_done.set()
+    results.append(q.get(timeout=300))
     for p in [*procs, checker]:
         p.join(timeout=60)
         assert p.exitcode == 0

@@ -331,16 +331,17 @@ def image_config_from_oci(config: dict[str, Any]) -> ImageConfig:
     cfg.user = str(c.get("User") or "root")
     cfg.entrypoint = [str(x) for x in (c.get("Entrypoint") or []) if isinstance(x, str | int | float)]
     cfg.cmd = [str(x) for x in (c.get("Cmd") or []) if isinstance(x, str | int | float)]
-    # what Docker keeps besides (inspect shows it; an export writes it back)
+    # what Docker keeps for running the image (and a Dockerfile FROM it inherits)
     if isinstance(c.get("Labels"), dict):
         cfg.labels = {str(k): str(v) for k, v in c["Labels"].items()}
-    for key, attr in (("ExposedPorts", "exposed_ports"), ("Volumes", "volumes")):
-        if isinstance(c.get(key), dict):
-            setattr(cfg, attr, sorted(str(k) for k in c[key]))
+    if isinstance(c.get("ExposedPorts"), dict):
+        cfg.exposed_ports = [str(k) for k in c["ExposedPorts"]]
+    if isinstance(c.get("Volumes"), dict):
+        cfg.volumes = [str(k) for k in c["Volumes"]]
     if isinstance(c.get("Healthcheck"), dict):
         cfg.healthcheck = dict(c["Healthcheck"])
-    if isinstance(c.get("StopSignal"), str):
-        cfg.stop_signal = c["StopSignal"]
+    if c.get("StopSignal"):
+        cfg.stop_signal = str(c["StopSignal"])
     for key, attr in (("Shell", "shell"), ("OnBuild", "onbuild")):
         if isinstance(c.get(key), list):
             setattr(cfg, attr, [str(x) for x in c[key]])

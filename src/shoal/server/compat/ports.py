@@ -147,12 +147,18 @@ class _RelayBackend(httpcore.AsyncNetworkBackend):
 
 def pool(st: ServerState) -> httpcore.AsyncConnectionPool:
     """This server's pool of relayed connections (keep-alive per sandbox and port)."""
+    return common.server_local(st, "port_pool", lambda: httpcore.AsyncConnectionPool(
+        network_backend=_RelayBackend(st), max_connections=1024, max_keepalive_connections=256,
+        keepalive_expiry=5.0, retries=0))
+
+
+async def close_pool(st: ServerState) -> None:
+    """Close the pooled relays (server shutdown)."""
     p = getattr(st, "_e2b_port_pool", None)
-    if p is None:
-        p = httpcore.AsyncConnectionPool(network_backend=_RelayBackend(st), max_connections=1024,
-                                         max_keepalive_connections=256, keepalive_expiry=5.0, retries=0)
-        st._e2b_port_pool = p  # type: ignore[attr-defined]
-    return p
+    if p is not None:
+        st._e2b_port_pool = None  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            await p.aclose()
 
 
 def _request_headers(scope: dict[str, Any]) -> list[tuple[bytes, bytes]]:
