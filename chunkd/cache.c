@@ -6,8 +6,8 @@
  * hash to its name (or is missing) is never served: the read fails with EIO and an image_corrupt
  * event names it (ctl.c).
  *
- * Eviction (cache mode): least recently used first, and chunks of no loaded layer before chunks a
- * loaded (mounted) layer names; the latter only while the store answers (so they can be fetched again).
+ * Eviction: least recently used first, and chunks of no open layer before chunks an open (mounted, or a
+ * VM's drive) layer names; the latter only while the store answers (so they can be fetched again).
  * Chunks being read (pinned) or fetched are never evicted.
  */
 #include <dirent.h>
@@ -286,14 +286,14 @@ static void drop_cached_locked(struct centry *e)
 static void evict_locked(const struct centry *keep)
 {
     for (int pass = 0; pass < 2 && cache_bytes > cfg.cache_limit; pass++) {
-        /* pass 0: chunks no loaded layer names; pass 1: chunks of loaded layers, only while the store
+        /* pass 0: chunks no open layer names; pass 1: chunks of open layers, only while the store
          * answers (they can be fetched again) */
         if (pass == 1 && !g_store_ok)
             break;
         struct centry *e = lru_head;
         while (e && cache_bytes > cfg.cache_limit) {
             struct centry *next = e->lnext;
-            if (e != keep && e->pins == 0 && e->state == C_PRESENT && (pass == 1 || e->layer_refs == 0)) {
+            if (e != keep && e->pins == 0 && e->state == C_PRESENT && (pass == 1 || e->open_refs == 0)) {
                 STAT_ADD(evicted_chunks, 1);
                 STAT_ADD(evicted_bytes, e->len);
                 drop_cached_locked(e);
@@ -313,18 +313,26 @@ void cache_set_limit(uint64_t bytes)
     pthread_mutex_unlock(&cmu);
 }
 
-void cache_usage(uint64_t *bytes, uint64_t *entries, uint64_t *pinned_by_layers)
+void cache_usage(uint64_t *bytes, uint64_t *entries, uint64_t *of_open_layers)
 {
     pthread_mutex_lock(&cmu);
     uint64_t n = 0, pl = 0;
     for (struct centry *e = lru_head; e; e = e->lnext) {
         n++;
-        if (e->layer_refs)
+        if (e->open_refs)
             pl += e->len;
     }
     *bytes = cache_bytes;
     *entries = n;
-    *pinned_by_layers = pl;
+    *of_open_layers = pl;
+    pthread_mutex_unlock(&cmu);
+}
+
+void cache_open_refs(struct chunkref *chunks, uint32_t n, int delta)
+{
+    pthread_mutex_lock(&cmu);
+    for (uint32_t i = 0; i < n; i++)
+        chunks[i].e->open_refs += delta;
     pthread_mutex_unlock(&cmu);
 }
 

@@ -33,6 +33,7 @@ struct centry {
     uint8_t reported;    /* an image_corrupt event was emitted for it */
     int pins;            /* readers using its file right now */
     int layer_refs;      /* loaded tables naming it */
+    int open_refs;       /* open layer files naming it (a mounted layer, a VM drive): "in use right now" */
     int fd;              /* open descriptor of its file, or -1 */
     double bad_until;    /* a corrupt or missing chunk fails fast until then (monotonic seconds) */
     struct centry *hnext;
@@ -55,6 +56,7 @@ struct layer {
     struct chunkref *chunks;
     uint64_t nlookup;
     int opens;
+    int busy; /* kept loaded by a control request */
     /* the chunks read through this layer since its table was loaded, in first-touch order */
     uint8_t *touched;
     uint32_t *order;
@@ -117,7 +119,8 @@ int cache_read(struct centry *e, const char *layer, void *buf, uint32_t off, uin
 /* make sure a chunk is present and verified (background fetch); 0 or -errno */
 int cache_fetch(struct centry *e, const char *layer, int prefetch);
 void cache_set_limit(uint64_t bytes);
-void cache_usage(uint64_t *bytes, uint64_t *entries, uint64_t *pinned_by_layers);
+void cache_usage(uint64_t *bytes, uint64_t *entries, uint64_t *of_open_layers);
+void cache_open_refs(struct chunkref *chunks, uint32_t n, int delta);
 int cache_is_present(struct centry *e);
 
 /* layers.c */

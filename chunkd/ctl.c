@@ -85,7 +85,7 @@ static void do_stats(int fd)
              "\"misses\":%llu,\"verified_chunks\":%llu,\"verified_bytes\":%llu,\"corrupt_chunks\":%llu,"
              "\"missing_chunks\":%llu,\"store_errors\":%llu,\"eio\":%llu,\"evicted_chunks\":%llu,"
              "\"evicted_bytes\":%llu,\"cache_bytes\":%llu,\"cache_chunks\":%llu,\"cache_limit\":%llu,"
-             "\"cache_bytes_of_loaded_layers\":%llu,\"store_ok\":%s,\"readahead\":%llu}\n",
+             "\"cache_bytes_of_open_layers\":%llu,\"store_ok\":%s,\"readahead\":%llu}\n",
              (int)getpid(), "cache", S(reads), S(read_bytes), S(fetched_chunks),
              S(fetched_bytes), S(fetched_wire_bytes), S(prefetched_chunks), S(hits), S(misses), S(verified_chunks), S(verified_bytes),
              S(corrupt_chunks), S(missing_chunks), S(store_errors), S(eio), S(evicted_chunks), S(evicted_bytes),

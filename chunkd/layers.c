@@ -157,7 +157,7 @@ struct layer *layer_by_ino(uint64_t ino)
 
 static void maybe_free_locked(struct layer *l)
 {
-    if (l->nlookup || l->opens)
+    if (l->nlookup || l->opens || l->busy)
         return;
     struct layer **pp = &layers;
     while (*pp && *pp != l)
@@ -185,7 +185,8 @@ int layer_open(uint64_t ino)
     pthread_mutex_lock(&lmu);
     for (struct layer *l = layers; l; l = l->next)
         if (l->ino == ino) {
-            l->opens++;
+            if (l->opens++ == 0)
+                cache_open_refs(l->chunks, l->n, 1);
             rc = 0;
             break;
         }
@@ -198,8 +199,8 @@ void layer_release(uint64_t ino)
     pthread_mutex_lock(&lmu);
     for (struct layer *l = layers; l; l = l->next)
         if (l->ino == ino) {
-            if (l->opens > 0)
-                l->opens--;
+            if (l->opens > 0 && --l->opens == 0)
+                cache_open_refs(l->chunks, l->n, -1);
             maybe_free_locked(l);
             break;
         }
@@ -397,7 +398,7 @@ int layer_prefetch(const char *hex, const char *list, int *queued)
     while (l && strcmp(l->hex, hex))
         l = l->next;
     if (l)
-        l->opens++; /* keep it while we queue */
+        l->busy++; /* keep it while we queue */
     pthread_mutex_unlock(&lmu);
     struct layer *own = NULL;
     if (!l) {
@@ -422,7 +423,7 @@ int layer_prefetch(const char *hex, const char *list, int *queued)
         free_layer(own);
     } else {
         pthread_mutex_lock(&lmu);
-        l->opens--;
+        l->busy--;
         maybe_free_locked(l);
         pthread_mutex_unlock(&lmu);
     }

@@ -151,7 +151,7 @@ def store_cache(
         return
     mib = 1048576
     console.print(f"cache {st['cache_bytes'] / mib:.1f} of {st['cache_limit'] / mib:.0f} MiB "
-                  f"({st['cache_chunks']} chunks; {st['cache_bytes_of_loaded_layers'] / mib:.1f} MiB of layers in use)")
+                  f"({st['cache_chunks']} chunks; {st['cache_bytes_of_open_layers'] / mib:.1f} MiB of layers in use)")
     console.print(f"fetched {st['fetched_chunks']} chunks: {st['fetched_bytes'] / mib:.1f} MiB "
                   f"({st['fetched_wire_bytes'] / mib:.1f} MiB as stored), {st['prefetched_chunks']} by prefetch; "
                   f"hits {st['hits']}, misses {st['misses']}; evicted {st['evicted_chunks']} "

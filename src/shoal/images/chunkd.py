@@ -1,10 +1,13 @@
-"""The node's layer reader: one shoal-chunkd daemon per SHOAL_HOME (chunkd/, C), driven from here.
+"""The node's layer reader: one shoal-chunkd daemon per SHOAL_HOME and store (chunkd/, C), driven from here.
 
-    $SHOAL_HOME/chunkfs/<layer hex>.erofs    one read-only file per layer (FUSE), what EROFS mounts
-    $SHOAL_HOME/chunkd/tables/<layer hex>    the chunk tables the daemon serves (written after checking them
-                                             against the layer digest)
-    $SHOAL_HOME/chunkd/{ctl.sock,events.jsonl,chunkd.pid,chunkd.log}
-    $SHOAL_HOME/chunk-cache/<aa>/<hex>       verified chunks (SHOAL_CHUNK_CACHE_MB, LRU), kept across restarts
+    $SHOAL_HOME/chunkfs/<S>/<layer hex>.erofs   one read-only file per layer (FUSE), what EROFS mounts
+    $SHOAL_HOME/chunkd/<S>/tables/<layer hex>   the chunk tables the daemon serves (written after checking
+                                                them against the layer digest)
+    $SHOAL_HOME/chunkd/<S>/{ctl.sock,events.jsonl,chunkd.pid,chunkd.log,store}
+    $SHOAL_HOME/chunk-cache/<S>/<aa>/<hex>      verified chunks (SHOAL_CHUNK_CACHE_MB, LRU), kept across restarts
+
+<S> names the store (12 hex of the sha256 of its real path): a node has one store, but tests and
+benchmarks run nodes of several stores in one home.
 
 The daemon fetches a chunk from the store the first time a read needs it, checks it against its digest,
 keeps it in the cache, and serves reads from the cache; a chunk that fails its check is never served (the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -29,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shoal.errors import BackendUnavailable, ShoalError, StoreUnavailable
+from shoal.errors import BackendUnavailable, ShoalError
 from shoal.fsutil import atomic_write
 from shoal.host import syscalls
 from shoal.images.chunking import ChunkTable
@@ -47,6 +51,24 @@ def find_chunkd_binary() -> Path:
             return c
     raise BackendUnavailable("the layer reader shoal-chunkd is missing: run `make chunkd` in the shoal repository "
                              "(it needs libssl-dev and libzstd-dev)")
+
+
+def store_key(store_root: Path) -> str:
+    """12 hex naming a store within a home."""
+    return hashlib.sha256(os.path.realpath(store_root).encode()).hexdigest()[:12]
+
+
+def readers_of(home: Path) -> list[ChunkDaemon]:
+    """Every reader a home has state for (whatever store it serves)."""
+    out = []
+    d = Path(home) / "chunkd"
+    if d.is_dir():
+        for sub in sorted(d.iterdir()):
+            with contextlib.suppress(OSError):
+                store = (sub / "store").read_text().strip()
+                if store:
+                    out.append(ChunkDaemon(Path(home), Path(store)))
+    return out
 
 
 def cache_limit_mb() -> int:
@@ -70,10 +92,11 @@ class ChunkDaemon:
                  readahead_kb_: int | None = None) -> None:
         self.home = Path(home)
         self.store_root = Path(store_root)
-        self.dir = self.home / "chunkd"
+        self.key = store_key(self.store_root)
+        self.dir = self.home / "chunkd" / self.key
         self.tables = self.dir / "tables"
-        self.mount = self.home / "chunkfs"
-        self.cache = self.home / "chunk-cache"
+        self.mount = self.home / "chunkfs" / self.key
+        self.cache = self.home / "chunk-cache" / self.key
         self.ctl_path = self.dir / "ctl.sock"
         self.events_path = self.dir / "events.jsonl"
         self.pidfile = self.dir / "chunkd.pid"
@@ -142,27 +165,27 @@ class ChunkDaemon:
         finally:
             os.close(fd)
 
+    @contextlib.contextmanager
+    def using(self, exclusive: bool = False) -> Iterator[None]:
+        """Held (shared) while a layer is being put to use, so that a process that stops an unused reader
+        (exclusive) never does it under a mount in progress in another process of the same home."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / "use.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
     def ensure(self) -> None:
-        """Start the daemon unless it runs (for this store); BackendUnavailable when it cannot start."""
-        if self.running() and self._serves_our_store():
+        """Start the daemon unless it runs; BackendUnavailable when it cannot start."""
+        if self.running():
             return
         with self._lock():
             if self.running():
-                if self._serves_our_store():
-                    return
-                raise StoreUnavailable(f"this node's layer reader serves another store ({self._served_store()}); "
-                                       "close the sandboxes of that store first, or use another SHOAL_HOME")
+                return
             self._clean_stale()
             self._start()
-
-    def _served_store(self) -> str:
-        with contextlib.suppress(OSError):
-            return (self.dir / "store").read_text().strip()
-        return ""
-
-    def _serves_our_store(self) -> bool:
-        served = self._served_store()
-        return not served or os.path.realpath(served) == os.path.realpath(self.store_root)
 
     def _clean_stale(self) -> None:
         """A daemon that died leaves a dead FUSE mount (ENOTCONN): take it away before a new one."""
@@ -176,7 +199,7 @@ class ChunkDaemon:
         exe = find_chunkd_binary()
         for d in (self.dir, self.tables, self.cache):
             d.mkdir(parents=True, exist_ok=True)
-        self.mount.mkdir(exist_ok=True)
+        self.mount.mkdir(parents=True, exist_ok=True)
         argv = [str(exe), "--mount", str(self.mount), "--tables", str(self.tables), "--store", str(self.store_root),
                 "--cache", str(self.cache), "--cache-mb", str(self.cache_mb), "--ctl", str(self.ctl_path),
                 "--events", str(self.events_path), "--pidfile", str(self.pidfile),
@@ -189,10 +212,17 @@ class ChunkDaemon:
                                timeout=60, close_fds=True, start_new_session=True)
         if r.returncode != 0:
             tail = ""
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, IndexError):
                 tail = self.logfile.read_text(errors="replace").strip().splitlines()[-1]
             raise BackendUnavailable(f"the node's layer reader (shoal-chunkd) did not start: {tail}")
         atomic_write(self.dir / "store", (str(self.store_root) + "\n").encode(), fsync=False)
+
+    def mounted_files(self) -> set[str]:
+        """Layer hexes whose file of this reader is mounted (file-backed, or through a loop device)."""
+        from shoal.images.gc import erofs_sources
+
+        prefix = str(self.mount) + "/"
+        return {os.path.basename(src)[:64] for src in erofs_sources() if src.startswith(prefix)}
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the daemon and take its mount away (only when no layer of it is mounted: the caller's job).
@@ -212,9 +242,11 @@ class ChunkDaemon:
             if syscalls.is_mountpoint(str(self.mount)):
                 with contextlib.suppress(OSError):
                     syscalls.umount(str(self.mount), detach=True)
-            for p in (self.ctl_path, self.pidfile, self.dir / "store"):
+            for p in (self.ctl_path, self.pidfile):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
+            with contextlib.suppress(OSError):
+                self.mount.rmdir()
             return pid is not None
 
     # ---- control ------------------------------------------------------------------------------

@@ -76,8 +76,7 @@ class ChunkStore:
         self.chunks_dir = self.root / "chunks" / "sha256"
         self.layers_dir = self.root / "chunked" / "sha256"
         self.tmp_dir = self.root / "tmp"
-        for d in (self.chunks_dir, self.layers_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        # the directories are made by the first write (a store only read is left as it is)
 
     # ---- paths --------------------------------------------------------------------------------
     def chunk_path(self, hexd: str) -> Path:
@@ -131,6 +130,8 @@ class ChunkStore:
 
     def list_hexes(self) -> list[str]:
         """Every layer with a record here."""
+        if not self.layers_dir.is_dir():
+            return []
         return sorted(p.stem for p in self.layers_dir.glob("*.json") if len(p.stem) == 64)
 
     def remove(self, layer_hex: str) -> None:
@@ -180,6 +181,7 @@ class ChunkStore:
         else:
             heal = False
         blob = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.tmp_dir / tmp_name("chunk-")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
         try:
@@ -187,7 +189,7 @@ class ChunkStore:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
             if heal:
                 os.rename(tmp, final)  # readers holding the damaged file keep their inode
             else:
@@ -252,6 +254,7 @@ class ChunkStore:
     def publish(self, layer_hex: str, table: ChunkTable, source: dict[str, Any], *, legacy: bool = False,
                 created: float | None = None) -> None:
         """Write a layer's table, then its record (the record last: from then on the layer is visible)."""
+        self.layers_dir.mkdir(parents=True, exist_ok=True)
         tpath = self.table_path(layer_hex)
         data = table.to_bytes()
         if not (tpath.exists() and _same_bytes(tpath, data)):

@@ -69,22 +69,9 @@ def _host_prefix() -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64] or "host"
 
 
-def _mounted_layer_files(store: ImageStore) -> set[str]:
-    """Hexes of store layers mounted on this host (file-backed or through a loop device): whole files of
-    the store, or any node's layer reader files (<home>/chunkfs/<hex>.erofs; counted whatever store the
-    reader serves: keeping a layer too long is safe, removing one in use is not)."""
-    layers_dir = os.path.realpath(store.layers_dir)
-    out: set[str] = set()
-
-    def note(path: str) -> None:
-        p = path.removesuffix(" (deleted)")
-        name = os.path.basename(p)
-        if not name.endswith(".erofs") or len(name) != 70:
-            return
-        if os.path.basename(os.path.dirname(p)) == "chunkfs" or \
-                os.path.dirname(os.path.realpath(p)) == layers_dir:
-            out.add(name[: -len(".erofs")])
-
+def erofs_sources() -> list[str]:
+    """The file behind every EROFS mount of this host: its source, or a loop device's backing file."""
+    out = []
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             parts = line.decode("utf-8", "surrogateescape").split()
@@ -97,9 +84,29 @@ def _mounted_layer_files(store: ImageStore) -> set[str]:
             src = syscalls._unescape(parts[sep + 2])
             if src.startswith("/dev/loop"):
                 with contextlib.suppress(OSError):
-                    note(Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip())
-            else:
-                note(src)
+                    src = Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip()
+            out.append(src.removesuffix(" (deleted)"))
+    return out
+
+
+def _mounted_layer_files(store: ImageStore) -> set[str]:
+    """Hexes of store layers mounted on this host (file-backed or through a loop device): whole files of
+    the store, or any node's layer reader files (<home>/chunkfs/<S>/<hex>.erofs; counted whatever store the
+    reader serves: keeping a layer too long is safe, removing one in use is not)."""
+    layers_dir = os.path.realpath(store.layers_dir)
+    out: set[str] = set()
+
+    def note(path: str) -> None:
+        p = path.removesuffix(" (deleted)")
+        name = os.path.basename(p)
+        if not name.endswith(".erofs") or len(name) != 70:
+            return
+        if os.path.basename(os.path.dirname(os.path.dirname(p))) == "chunkfs" or \
+                os.path.dirname(os.path.realpath(p)) == layers_dir:
+            out.add(name[: -len(".erofs")])
+
+    for src in erofs_sources():
+        note(src)
     return out
 
 
@@ -286,7 +293,7 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
 
     # orphans of chunked layers: a table without its record (a writer died between the two), a conversion
     # claim of a converter that died, start records and corrupt marks of layers that are gone
-    for p in store.chunks.layers_dir.iterdir():
+    for p in (store.chunks.layers_dir.iterdir() if store.chunks.layers_dir.is_dir() else []):
         if p.name.endswith((".table", ".converting")) or p.name.startswith(".tmp-"):
             h = p.name.split(".", 1)[0]
             if p.name.endswith(".table") and store.chunks.has(h):

@@ -39,6 +39,7 @@ def convert_layer(store: ImageStore, digest: str) -> Layer:
     if lay.chunked:
         return lay
     hexd = lay.hex
+    store.chunks.layers_dir.mkdir(parents=True, exist_ok=True)
     claim_path = store.chunks.layers_dir / f"{hexd}.converting"
     deadline = time.monotonic() + WAIT_S
     while True:

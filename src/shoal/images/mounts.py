@@ -5,7 +5,7 @@ user in $SHOAL_HOME/layers/<hex>.users/. The counts live on disk, so a restarted
 process next to a server) sees the same truth; a per-layer flock serializes mount/unmount on this host.
 
 What is mounted is not the store's bytes directly but the layer's file on the node's layer reader
-(shoal.images.chunkd: $SHOAL_HOME/chunkfs/<hex>.erofs, served by shoal-chunkd over FUSE): the layer is
+(shoal.images.chunkd: $SHOAL_HOME/chunkfs/<store>/<hex>.erofs, served by shoal-chunkd over FUSE): the layer is
 stored as chunks, and the reader fetches a chunk the first time a read needs it, checks it against its
 digest, keeps it in the node's chunk cache and serves it from there. So a sandbox reads only the chunks it
 touches (plus a bounded read-ahead), every byte it gets was checked, and nothing is hashed at mount. A
@@ -98,6 +98,9 @@ class LayerMounts:
         #: record prefetch sets (False: only benchmarks turn it off to measure without)
         self.record_starts = True
         self.prefetch_enabled = True
+        #: a long-running node keeps its reader between sandboxes (it stops it in Node.stop when unused);
+        #: otherwise the reader stops with the release of the last layer in use
+        self.keep_reader = False
         self._store: ImageStore | None = None
         self._tables: dict[str, ChunkTable] = {}
         #: layers whose first sandbox this process is recording: hex -> monotonic time of the mount
@@ -148,7 +151,7 @@ class LayerMounts:
     def _acquire_one(self, layer: Layer, user: str, mount: bool = True) -> Path:
         mp = self.mountpoint(layer.hex)
         users = self.root / f"{layer.hex}.users"
-        with self._locked(layer.hex):
+        with self._locked(layer.hex), self.daemon.using():
             fresh = not users.is_dir() or not any(os.scandir(users))
             users.mkdir(exist_ok=True)
             try:
@@ -305,20 +308,26 @@ class LayerMounts:
                 log.exception("image_corrupt handler failed")
 
     def in_use(self) -> bool:
-        """True when any layer of this home is mounted or has a user."""
+        """True when a layer served by this node's reader (of this store) is mounted or has a user."""
+        if self.daemon.mounted_files():
+            return True
         for p in self.root.glob("*.users"):
             with contextlib.suppress(OSError):
-                if any(os.scandir(p)):
+                h = p.name[: -len(".users")]
+                if any(os.scandir(p)) and self.daemon.exported(h):
                     return True
-        return bool(self._mounted_hexes())
+        return False
 
     def stop_reader_if_unused(self) -> bool:
         """Stop the node's layer reader when no layer of this home is in use; True when it was stopped."""
-        if self.in_use():
+        if self.in_use() or self.daemon.pid() is None:
             return False
-        with self._rec_lock:
-            self._recording.clear()
-        return self.daemon.stop()
+        with self.daemon.using(exclusive=True):
+            if self.in_use():
+                return False
+            with self._rec_lock:
+                self._recording.clear()
+            return self.daemon.stop()
 
     def _mounted_hexes(self) -> set[str]:
         return {p.name for p in self.root.iterdir()
@@ -406,6 +415,8 @@ class LayerMounts:
                     mp.rmdir()
                 with contextlib.suppress(OSError):
                     users.rmdir()
+        if not self.keep_reader:
+            self.stop_reader_if_unused()
 
     def reopen_loops(self) -> int:
         """Point every loop-mounted layer at a freshly opened store file (LOOP_CHANGE_FD), in place, under

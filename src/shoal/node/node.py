@@ -117,6 +117,7 @@ class Node(DataPlane):
             return self
         _raise_nofile()
         self._install_guest_agent()
+        self.layer_mounts.keep_reader = True
         if self.config.protect_host and not self.protection:
             from shoal.node.protect import protect_host
 
@@ -159,6 +160,7 @@ class Node(DataPlane):
         # the layer reader outlives the node agent while layers are in use (their sandboxes keep running)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.layer_mounts.finish_records)
+        self.layer_mounts.keep_reader = False
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.layer_mounts.stop_reader_if_unused)
         self.layer_mounts.daemon.close_subscription()
