@@ -44,7 +44,7 @@ def test_the_store_scenario_is_registered_with_its_parameters() -> None:
 
     scen = registry.get("store")
     names = {p.name for p in scen.describe()}
-    assert {"trials", "nodes", "images", "per_image"} <= names
+    assert {"trials", "warm_rounds", "family", "nodes", "images", "per_image"} <= names
     assert "store" not in registry.default_names(), "it needs MooseFS and minutes: run by name only"
 
 

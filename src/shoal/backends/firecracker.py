@@ -167,9 +167,9 @@ class FirecrackerBackend(Backend):
                                                    "initrd_path": str(guest.initrd), "boot_args": args})
             # each layer is a disk: the node's layer reader's file of it (checked chunks, on demand)
             files = await asyncio.to_thread(self.ctx.layer_mounts.acquire_files, image.layers, rec.id)
-            for i, f in enumerate(files):
+            for i, lf in enumerate(files):
                 await api.call("PUT", f"/drives/shoal_layer{i}", {
-                    "drive_id": f"shoal_layer{i}", "path_on_host": str(f), "is_root_device": False,
+                    "drive_id": f"shoal_layer{i}", "path_on_host": str(lf), "is_root_device": False,
                     "is_read_only": True})
             await api.call("PUT", "/drives/shoal_upper", {
                 "drive_id": "shoal_upper", "path_on_host": str(d / "upper.img"), "is_root_device": False,

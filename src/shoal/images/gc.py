@@ -305,10 +305,10 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
                         p.unlink()
     present = None if dry_run else {lay.hex for lay in store.list_layers()}
     for sub in ("prefetch", "corrupt"):
-        d = store.root / sub
-        if present is None or not d.is_dir():
+        sub_dir = store.root / sub
+        if present is None or not sub_dir.is_dir():
             continue
-        for p in d.iterdir():
+        for p in sub_dir.iterdir():
             h = p.name.split(".", 1)[0]
             if len(h) == 64 and h not in present and _older_than(p, cutoff):
                 report.removed_orphans += 1

@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ImageCorrupt, ImageNotFound, StoreUnavailable
@@ -63,6 +64,30 @@ def convert_layer(store: ImageStore, digest: str) -> Layer:
         with contextlib.suppress(FileNotFoundError):
             claim_path.unlink()
     return store.layer(digest)
+
+
+def store_whole_file(store: ImageStore, path: Path, source: dict[str, Any]) -> str:
+    """Store an EROFS file as a layer in the earlier whole-file format (`layers/sha256/<hex>.erofs`, named by
+    the file's sha256); for benchmarks that compare with it and tests of the conversion. Returns the digest."""
+    import hashlib
+    import os
+
+    from shoal.fsutil import atomic_write_json, tmp_name
+
+    h = hashlib.sha256()
+    store.layers_dir.mkdir(parents=True, exist_ok=True)
+    tmp = store.layers_dir / tmp_name("whole-")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        while b := src.read(1 << 20):
+            h.update(b)
+            dst.write(b)
+    os.chmod(tmp, 0o444)
+    final = store.layers_dir / f"{h.hexdigest()}.erofs"
+    os.rename(tmp, final)
+    atomic_write_json(store.layers_dir / f"{h.hexdigest()}.json",
+                      {"digest": f"sha256:{h.hexdigest()}", "size": final.stat().st_size, "created": time.time(),
+                       "source": source, "format": "erofs"})
+    return f"sha256:{h.hexdigest()}"
 
 
 @dataclass
