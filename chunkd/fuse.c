@@ -123,14 +123,15 @@ static void do_open(uint64_t unique, uint64_t nodeid, const struct fuse_open_in 
     }
     struct fuse_open_out out;
     memset(&out, 0, sizeof(out));
-    out.fh = nodeid;
+    /* the layer itself: it stays loaded while open (reads need no lookup) */
+    out.fh = (uint64_t)(uintptr_t)layer_by_ino(nodeid);
     out.open_flags = FOPEN_KEEP_CACHE;
     reply(unique, 0, &out, sizeof(out));
 }
 
 static void do_read(uint64_t unique, uint64_t nodeid, const struct fuse_read_in *in, char *out)
 {
-    struct layer *l = layer_by_ino(nodeid);
+    struct layer *l = (struct layer *)(uintptr_t)in->fh;
     if (!l) {
         reply(unique, -EBADF, NULL, 0);
         return;
