@@ -24,6 +24,8 @@ enum {
 	F_RESIZE = 0x15,
 	F_DATA = 0x16,
 	F_DATA_END = 0x17,
+	F_READY = 0x18,
+	F_EVENT = 0x19,
 };
 
 #define FRAME_HDR 9u                /* u32 length, u8 type, u32 stream */
@@ -46,6 +48,8 @@ enum src_kind {
 	SK_SHELL_OUT,
 	SK_SHELL_ERR,
 	SK_SHELL_STATUS,
+	SK_TCP,
+	SK_WATCH,
 };
 
 /* One fd in the epoll set. A paused source is removed from epoll entirely, because
@@ -70,6 +74,7 @@ struct sink {
 	struct buf b;
 	uint8_t eof_pending;      /* close once the buffer is flushed */
 	uint8_t eof_byte;         /* PTY: "EOF" is a ^D, not a close */
+	uint8_t shut_wr;          /* a socket: "EOF" is shutdown(SHUT_WR) before the close */
 	uint8_t blocking;         /* counted in conn->in_block */
 	struct conn *conn;        /* whose input we stop reading while our buffer is too full */
 };
@@ -81,7 +86,7 @@ void sink_on_writable(struct sink *k);
 void sink_close(struct sink *k);
 void sink_set_conn(struct sink *k, struct conn *c);
 
-enum stream_kind { ST_EXEC = 1, ST_SHELL_RUN, ST_UPLOAD, ST_DOWNLOAD };
+enum stream_kind { ST_EXEC = 1, ST_SHELL_RUN, ST_UPLOAD, ST_DOWNLOAD, ST_TCP, ST_WATCH };
 
 struct stream {
 	uint32_t id;
@@ -172,5 +177,18 @@ void upload_frame(struct stream *st, int type, const uint8_t *p, size_t n);
 void upload_abort(struct stream *st);
 void download_pump(struct stream *st);
 void download_abort(struct stream *st);
+
+/* ---- tcp.c ---- */
+void op_tcp_connect(struct conn *c, uint32_t sid, const struct jv *req);
+void tcp_on_event(struct src *s, uint32_t ev);
+void tcp_frame(struct stream *st, int type, const uint8_t *p, size_t n);
+void tcp_detach(struct stream *st);
+void tcp_resume(struct stream *st);
+
+/* ---- watch.c ---- */
+void op_watch(struct conn *c, uint32_t sid, const struct jv *req);
+void watch_on_event(struct src *s, uint32_t ev);
+void watch_frame(struct stream *st, int type, const uint8_t *p, size_t n);
+void watch_detach(struct stream *st);
 
 #endif

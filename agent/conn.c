@@ -202,6 +202,8 @@ static void conn_detach_streams(struct conn *c)
 		case ST_SHELL_RUN: shell_detach(st); break;
 		case ST_UPLOAD: upload_abort(st); break;
 		case ST_DOWNLOAD: download_abort(st); break;
+		case ST_TCP: tcp_detach(st); break;
+		case ST_WATCH: watch_detach(st); break;
 		}
 		free(st);
 	}
@@ -292,6 +294,7 @@ void conn_flush(struct conn *c)
 			case ST_EXEC: exec_resume(st); break;
 			case ST_SHELL_RUN: shell_resume(st); break;
 			case ST_DOWNLOAD: download_pump(st); break;
+			case ST_TCP: tcp_resume(st); break;
 			}
 		}
 	}
@@ -354,6 +357,8 @@ static const struct op OPS[] = {
 	{"hello", op_hello},
 	{"sync", op_sync},
 	{"ps", op_ps},
+	{"tcp_connect", op_tcp_connect},
+	{"watch", op_watch},
 };
 
 static void handle_req(struct conn *c, uint32_t sid, const uint8_t *p, size_t n)
@@ -413,6 +418,10 @@ static void handle_frame(struct conn *c, int type, uint32_t sid, const uint8_t *
 			exec_frame(st, type, p, n);
 		else if (st->kind == ST_SHELL_RUN)
 			shell_frame(st, type, p, n);
+		else if (st->kind == ST_TCP)
+			tcp_frame(st, type, p, n);
+		else if (st->kind == ST_WATCH)
+			watch_frame(st, type, p, n);
 		break;
 	case F_DATA:
 	case F_DATA_END:

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -132,6 +133,8 @@ void sink_close(struct sink *k)
 static void sink_do_eof(struct sink *k)
 {
 	k->eof_pending = 0;
+	if (k->shut_wr && k->s.fd >= 0)
+		shutdown(k->s.fd, SHUT_WR); /* the fd is a dup: closing it alone would send no FIN */
 	if (k->eof_byte) {
 		/* A PTY stays open (it is also the output); EOF is the VEOF character. */
 		uint8_t c = k->eof_byte;

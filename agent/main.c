@@ -425,6 +425,8 @@ int main(int argc, char **argv)
 			case SK_SHELL_ERR:
 			case SK_SHELL_STATUS: shell_on_event(s, ev); break;
 			case SK_SINK: sink_on_writable(s->owner); break;
+			case SK_TCP: tcp_on_event(s, ev); break;
+			case SK_WATCH: watch_on_event(s, ev); break;
 			default: break;
 			}
 		}

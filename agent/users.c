@@ -134,31 +134,65 @@ static void find_groups(struct user_info *u)
 	fclose(f);
 }
 
+/* The gid of group `name` in /etc/group; -1 when there is none. */
+static int find_group_gid(const char *name, gid_t *gid)
+{
+	FILE *f = open_db("/etc/group");
+	if (!f)
+		return -1;
+	char *line = NULL;
+	size_t cap = 0;
+	int found = -1;
+	while (getline(&line, &cap, f) > 0 && ftell(f) <= MAX_DB_BYTES) {
+		chomp(line);
+		char *fl[4];
+		if (split(line, fl, 4) < 3)
+			continue;
+		unsigned long g;
+		if (strcmp(fl[0], name) != 0 || parse_id(fl[2], strlen(fl[2]), &g) < 0)
+			continue;
+		*gid = (gid_t)g;
+		found = 0;
+		break;
+	}
+	free(line);
+	fclose(f);
+	return found;
+}
+
 int user_lookup(const char *spec, struct user_info *u)
 {
 	memset(u, 0, sizeof *u);
 	const char *colon = strchr(spec, ':');
 	size_t ulen = colon ? (size_t)(colon - spec) : strlen(spec);
+	char uname[256];
+	if (ulen == 0 || ulen >= sizeof uname)
+		return -1;
+	memcpy(uname, spec, ulen);
+	uname[ulen] = 0;
 	unsigned long uid, gid;
-	if (parse_id(spec, ulen, &uid) == 0) {
+	if (parse_id(uname, ulen, &uid) == 0) {
 		u->uid = (uid_t)uid;
 		if (find_passwd(NULL, (uid_t)uid, u) < 0)
 			u->gid = (gid_t)uid;
-		if (colon) {
-			if (parse_id(colon + 1, strlen(colon + 1), &gid) < 0)
-				return -1;
-			u->gid = (gid_t)gid;
-		}
-	} else {
-		if (colon || ulen == 0)
+	} else if (find_passwd(uname, 0, u) < 0) {
+		/* Images without /etc/passwd (scratch, distroless) still run as root, as under
+		 * Docker: "root" is uid 0 whatever the files say (HOME stays the process's). */
+		if (strcmp(uname, "root") != 0)
 			return -1;
-		if (find_passwd(spec, 0, u) < 0) {
-			/* Images without /etc/passwd (scratch, distroless) still run as root, as under
-			 * Docker: "root" is uid 0 whatever the files say (HOME stays the process's). */
-			if (strcmp(spec, "root") != 0)
+		u->uid = 0;
+		u->gid = 0;
+	}
+	if (colon) {
+		/* Docker's USER name:group / uid:gid / name:gid / uid:group: the group is the primary gid */
+		const char *g = colon + 1;
+		if (parse_id(g, strlen(g), &gid) == 0) {
+			u->gid = (gid_t)gid;
+		} else {
+			gid_t gg;
+			if (!*g || find_group_gid(g, &gg) < 0)
 				return -1;
-			u->uid = 0;
-			u->gid = 0;
+			u->gid = gg;
 		}
 	}
 	add_group(u, u->gid);

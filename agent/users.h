@@ -17,7 +17,8 @@ struct user_info {
 	char home[256];
 };
 
-/* spec: "name", "uid" or "uid:gid" ("root" is uid 0 even without /etc/passwd). Returns 0, or -1
+/* spec: "name", "uid", "uid:gid", "name:group" (either part a name or a number; "root" is uid 0
+ * even without /etc/passwd). Returns 0, or -1
  * when the name is unknown or the spec is malformed. */
 int user_lookup(const char *spec, struct user_info *u);
 

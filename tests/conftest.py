@@ -15,6 +15,9 @@ import pytest
 IS_ROOT = os.geteuid() == 0
 # hermetic: a host's /etc/shoal/config.toml must not change what the tests see (set SHOAL_CONFIG to test one)
 os.environ.setdefault("SHOAL_CONFIG", "/dev/null")
+# hermetic: no test pulls from a registry on the internet. Tests of pulling use `registry_env` (a loopback
+# registry serving Docker Hub names through the mirror setting, policy missing, no fallback to the internet)
+os.environ.setdefault("SHOAL_PULL_POLICY", "never")
 REPO = Path(__file__).resolve().parents[1]
 AGENT_BIN = REPO / "build" / "shoal-agent"
 
@@ -105,11 +108,16 @@ API_PROJECT = "suite"
 @pytest.fixture(scope="session")
 def api_server(shoal_home: Path, base_image: str) -> Iterator:
     """A real `shoal serve` child process on a free loopback port, sharing the session's SHOAL_HOME, with a
-    token of project `suite` (no quota). Attributes: `.url`, `.token`. Stopped (SIGTERM) at session end."""
+    token of project `suite` (no quota, every priority class granted). Attributes: `.url`, `.token`.
+    Stopped (SIGTERM) at session end."""
+    from shoal.config import settings
     from shoal.server.proc import ServerProcess
-    from shoal.server.tokens import TokenStore
+    from shoal.server.tokens import ProjectPolicy, TokenStore
 
     token = TokenStore(shoal_home).create(API_PROJECT, name="pytest any_client")
+    # the suite's project may use every priority class (a project gets the default one and below unless
+    # the operator grants more: shoal.server.policy), so job tests run alike on both transports
+    TokenStore(shoal_home).set_policy(API_PROJECT, ProjectPolicy(priorities=list(settings().priorities)))
     srv = ServerProcess(log_path=shoal_home / "api-server.log", token=token)
     srv.start()
     yield srv
@@ -218,3 +226,27 @@ def names() -> Iterator[list[str]]:
     for img in store.list_images():
         if img.name in wanted:
             store.remove_image(img.ref)
+
+
+# ---- registries (issue 25): a real docker-registry on loopback, Docker Hub names served through mirrors
+@pytest.fixture(scope="session")
+def loopback_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Debian's docker-registry on 127.0.0.1 for the session (tests.registry.LoopbackRegistry); push images
+    with `.push("library/python:3.12-slim", [layer_tar(...)])`. Skipped when docker-registry/skopeo are
+    missing."""
+    from tests.registry import LoopbackRegistry, available
+
+    missing = available()
+    if missing:
+        pytest.skip(missing)
+    with LoopbackRegistry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
+
+
+@pytest.fixture
+def registry_env(loopback_registry, monkeypatch: pytest.MonkeyPatch):
+    """The loopback registry as the mirror of docker.io, ghcr.io and quay.io, pull_policy missing, and no
+    fallback to the real registries (nothing leaves the machine). Yields the registry."""
+    for k, v in loopback_registry.env().items():
+        monkeypatch.setenv(k, v)
+    yield loopback_registry

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.errors import (
     BackendUnavailable,
     CapacityExceeded,
+    EgressForbidden,
     FileNotFound,
     Forbidden,
     GangUnsatisfiable,
@@ -21,6 +22,8 @@ from shoal.errors import (
     NodeUnavailable,
     NotImplementedYet,
     QuotaExceeded,
+    RegistryAuthFailed,
+    RegistryUnavailable,
     SandboxError,
     SandboxFileError,
     SandboxLost,
@@ -52,9 +55,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "ExecResult", "FileNotFound",
+    "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "EgressForbidden", "ExecResult", "FileNotFound",
     "Forbidden", "GangUnsatisfiable", "ImageBuildError", "ImageCorrupt", "ImageNotFound", "InvalidRequest",
-    "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "Sandbox",
+    "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "RegistryAuthFailed", "RegistryUnavailable", "Sandbox",
     "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxLost", "SandboxNotFound", "SandboxSpec", "Shell",
     "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
     "Timeout", "Unauthorized", "Unsupported", "__version__",

@@ -283,9 +283,80 @@ def _egress_sets(v: object) -> object:
     return out
 
 
+def _egress_grants(v: object) -> object:
+    # keywords and CIDR[:ports], comma- or space-separated (a TOML list works too)
+    from shoal.egress import parse_grants
+
+    items = [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    parse_grants(items)  # InvalidRequest (a ValueError) names a bad grant
+    return tuple(items)
+
+
+def _networks(v: object) -> object:
+    import ipaddress
+
+    items = [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    for it in items:
+        try:
+            ipaddress.IPv4Network(it, strict=False)
+        except ValueError:
+            raise ValueError(f"must be IPv4 addresses or CIDRs ({it!r} is not one)") from None
+    return tuple(items)
+
+
+def _host_names(v: object) -> object:
+    items = [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v).replace(",", " ").split()
+    bad = [h for h in items if not re.fullmatch(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", h)]
+    if bad:
+        raise ValueError(f"must be host names, comma-separated, optionally *.domain ({bad[0]!r} is not one)")
+    return tuple(items)
+
+
 SWAP_POLICY = Conv("auto|0|size", _swap_policy)
+NAMES_OR_EMPTY = Conv("host,…", _host_names)
+EGRESS_GRANTS = Conv("grant,…", _egress_grants)
+NETWORKS = Conv("CIDR,…", _networks)
 EGRESS_SETS = Conv("NAME=rule …;…", _egress_sets)
+def parse_registry_mirrors(v: object) -> dict[str, list[str]]:
+    """`"docker.io=http://127.0.0.1:5000 ghcr.io=https://m.example"` (spaces or commas between pairs; a
+    registry named twice gets both mirrors, tried in order), or a TOML table of a URL or a list of URLs."""
+    if isinstance(v, Mapping):
+        items = [(str(k), u) for k, urls in v.items() for u in (urls if isinstance(urls, (list, tuple)) else [urls])]
+    else:
+        items = []
+        for part in re.split(r"[\s,]+", str(v).strip()):
+            if part:
+                host, sep, url = part.partition("=")
+                if not sep:
+                    raise ValueError(f"{part!r} must look like REGISTRY=URL (e.g. docker.io=http://127.0.0.1:5000)")
+                items.append((host, url))
+    out: dict[str, list[str]] = {}
+    for host, url in items:
+        host, url = host.strip().lower(), str(url).strip().rstrip("/")
+        if host in ("index.docker.io", "registry-1.docker.io"):
+            host = "docker.io"
+        if not re.fullmatch(r"[a-z0-9.-]+(:[0-9]+)?|\*", host):
+            raise ValueError(f"registry {host!r} must be a host[:port] like docker.io or ghcr.io (or *)")
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", url):
+            raise ValueError(f"mirror {url!r} of {host} must be an http:// or https:// URL")
+        out.setdefault(host, [])
+        if url not in out[host]:
+            out[host].append(url)
+    return out
+
+
+def _hosts(v: object) -> object:
+    items = v if isinstance(v, (list, tuple)) else re.split(r"[\s,]+", str(v).strip())
+    hosts = tuple(str(h).strip().lower() for h in items if str(h).strip())
+    bad = [h for h in hosts if not re.fullmatch(r"[a-z0-9.-]+(:[0-9]+)?", h)]
+    if bad:
+        raise ValueError(f"must be host[:port] names separated by commas ({bad[0]!r} is not one)")
+    return hosts
+
+
 NAMES = Conv("name,…", _names)
+MIRRORS = Conv("REGISTRY=URL …", parse_registry_mirrors)
+HOSTS = Conv("host[:port],…", _hosts)
 WARM_POOL = Conv("IMAGE=N,…", parse_warm_pool)
 MODULES = Conv("module,…", _modules)
 
@@ -395,6 +466,13 @@ class Settings:
     egress_sets: dict[str, list[str]] = setting({}, "network", "named sets of egress rules for network=[...], "
                                                 "added to (or replacing) pypi, npm, debian, github",
                                                 EGRESS_SETS, default_doc="the built-in four")
+    egress_allow: tuple[str, ...] = setting((), "network", "protected destinations every sandbox of this node may "
+                                            "reach: private, metadata, reserved, cluster, or CIDR[:port] "
+                                            "(projects get more with `shoal token policy`)", EGRESS_GRANTS,
+                                            default_doc="none", empty_is_value=True)
+    egress_deny: tuple[str, ...] = setting((), "network", "more addresses no sandbox reaches unless granted, like "
+                                           "the cluster's own nodes (the Ray nodes are added by themselves): "
+                                           "CIDR,…", NETWORKS, default_doc="none", empty_is_value=True)
     dns_upstream: str | None = setting(None, "network", "resolver the DNS proxy of allowlist sandboxes asks "
                                        "(host[:port])", _optional(text(r"[0-9.]+(:[0-9]{1,5})?", "an IPv4 address "
                                                                         "with an optional :port")),
@@ -456,6 +534,10 @@ class Settings:
     api_max_queued: int = setting(4096, "api", "requests per token waiting for a slot; beyond: 429", integer(0))
     api_create_concurrency: int = setting(32, "api", "sandboxes the server creates at once (others queue)", integer(1))
     api_max_batch: int = setting(4096, "api", "largest n of one batch create or fork", integer(1, 4096))
+    api_allowed_hosts: tuple[str, ...] = setting((), "api", "host names a server without tokens answers to besides "
+                                                 "IP addresses and localhost (`*.example.lan` for every name under "
+                                                 "it; guards against DNS rebinding)", NAMES_OR_EMPTY,
+                                                 default_doc="none", empty_is_value=True)
     api_log_level: str = setting("warning", "api", "uvicorn log level",
                                  choice("critical", "error", "warning", "info", "debug", "trace"))
     e2b_templates: dict[str, str] = setting({}, "api", "E2B template IDs mapped to shoal images (E2B-compatible "
@@ -464,6 +546,8 @@ class Settings:
                                      "...) map to", text())
     e2b_network: bool = setting(False, "api", "E2B sandboxes that do not set allow_internet_access get a network",
                                 BOOL)
+    e2b_public_ports: bool = setting(False, "api", "requests to a sandbox's ports (E2B get_host) need no "
+                                     "e2b-traffic-access-token even when the server needs tokens", BOOL)
     # ---- images
     erofs_mount: str = setting("auto", "images", "how EROFS layers mount: file-backed, through a loop device, "
                                "or auto", choice("auto", "file", "loop"))
@@ -481,6 +565,26 @@ class Settings:
                                       "up to this many KiB, in the background", integer(0, 65536))
     store_probe_timeout_s: float = setting(3.0, "images", "creates fail with store_unavailable when the store does "
                                            "not answer a probe within this (seconds)", number(0, lo_open=True))
+    pull_policy: str = setting("missing", "images", "when a create or a Dockerfile FROM pulls its image from a "
+                               "registry: missing = when not in the store, always = check the registry every time "
+                               "(images made in shoal are never replaced), never = only the store",
+                               choice("missing", "always", "never"))
+    registry_mirrors: dict[str, list[str]] = setting({}, "images", "mirrors asked before a registry, like "
+                                                     "containerd's: REGISTRY=URL pairs (`docker.io=http://127.0.0.1:"
+                                                     "5000 ghcr.io=https://m.example`); plain HTTP only where the URL "
+                                                     "says http://", MIRRORS, default_doc="none")
+    registry_fallback: bool = setting(True, "images", "after its mirrors, ask the registry itself (false: only the "
+                                      "mirrors, e.g. on a machine without internet)", BOOL)
+    registry_insecure: tuple[str, ...] = setting((), "images", "registries reached over plain HTTP when HTTPS fails "
+                                                 "(loopback hosts always are, as in Docker)", HOSTS, default_doc="none")
+    registry_auth_file: Path | None = setting(None, "images", "Docker's credentials file (`docker login` writes it)",
+                                              _optional(PATH), default_doc="$DOCKER_CONFIG/config.json, else "
+                                              "~/.docker/config.json")
+    pull_concurrency: int = setting(3, "images", "layers one pull downloads at once", integer(1, 32))
+    pull_retries: int = setting(5, "images", "attempts per registry request (a broken download resumes where it "
+                                "stopped)", integer(1, 50))
+    pull_timeout_s: float = setting(3600.0, "images", "longest a whole pull may take (s); waiters for another node's "
+                                    "pull wait as long", number(0, lo_open=True))
     # ---- rl
     rl_tasks: str | None = setting(None, "rl", "tasks file or directory the trainer adapters look task ids up in",
                                    _optional(text()), default_doc="none")
@@ -491,6 +595,9 @@ class Settings:
     default_priority: str = setting("interactive", "sched", "class of a sandbox whose labels name none", text())
     preempt: bool = setting(True, "sched", "a create that does not fit pauses idle sandboxes of lower classes "
                             "(they resume on their next call)", BOOL)
+    preempt_across_projects: bool = setting(False, "sched", "a create may pause idle lower-class sandboxes of "
+                                            "other projects too (off: only its own project's); which classes a "
+                                            "project may use is its grant (`shoal token policy`)", BOOL)
     preempt_idle_s: float = setting(60.0, "sched", "only sandboxes idle this long are paused for a higher class (s)",
                                     number(0))
     tides: bool = setting(True, "sched", "pause sandboxes idle over tide_idle_s while the host's memory is tight "

@@ -35,6 +35,23 @@ class ImageNotFound(ShoalError, LookupError):
     code = "image_not_found"
 
 
+class RegistryUnavailable(ShoalError, ConnectionError):
+    """An image registry (or every mirror of it) could not be reached or kept failing (connection refused,
+    DNS, TLS, 5xx, a download that broke more often than the retries allow). Retryable later."""
+
+    http_status = 502
+    code = "registry_unavailable"
+    retryable = True
+
+
+class RegistryAuthFailed(ShoalError, PermissionError):
+    """An image registry refused the credentials (or asked for some and none were configured): log in
+    with `docker login` (shoal reads ~/.docker/config.json or $DOCKER_CONFIG/config.json)."""
+
+    http_status = 403
+    code = "registry_auth_failed"
+
+
 class SandboxNotFound(ShoalError, LookupError):
     """No sandbox with this ID (or it belongs to another project)."""
 
@@ -154,6 +171,13 @@ class AgentProtocolError(SandboxError):
     code = "agent_protocol_error"
 
 
+class PortNotOpen(SandboxError):
+    """Nothing accepts TCP connections on that port inside the sandbox (on its loopback)."""
+
+    http_status = 502
+    code = "port_not_open"
+
+
 class ImageBuildError(ShoalError):
     """An image build step failed; the message carries the failing step and its output tail."""
 
@@ -173,6 +197,13 @@ class Forbidden(ShoalError, PermissionError):
 
     http_status = 403
     code = "forbidden"
+
+
+class EgressForbidden(Forbidden):
+    """An egress rule reaches a protected destination (a private range, link-local/metadata, the cluster's
+    own nodes) that the operator's egress policy does not grant; `details.rule` names the rule."""
+
+    code = "egress_forbidden"
 
 
 class NotImplementedYet(ShoalError, NotImplementedError):
@@ -195,9 +226,12 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         ShoalError,
         InvalidRequest,
         ImageNotFound,
+        RegistryUnavailable,
+        RegistryAuthFailed,
         SandboxNotFound,
         ShellNotFound,
         FileNotFound,
+        PortNotOpen,
         SandboxFileError,
         QuotaExceeded,
         CapacityExceeded,
@@ -213,6 +247,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         StoreUnavailable,
         Unauthorized,
         Forbidden,
+        EgressForbidden,
         NotImplementedYet,
         Unsupported,
     )

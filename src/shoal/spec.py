@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from shoal import limits as L
 from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
 from shoal.errors import InvalidRequest
+from shoal.images.reference import NEW_NAME_PATTERN, REFERENCE_PATTERN
 from shoal.node.cpuclass import CPU_CLASSES, DEFAULT_CPU_CLASS, check_cpu_class
 
 # ---- field types (the HTTP schemas use them too)
@@ -29,12 +30,11 @@ LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 LabelValue = Annotated[str, StringConstraints(max_length=1024)]
 #: a path inside the sandbox (absolute, or relative to the workdir); no NUL
 SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
-_NAME = r"[a-z0-9](?:[a-z0-9._/-]{0,126}[a-z0-9])?"
-_TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
-#: an image reference: name[:tag] or name@sha256:<hex>
-ImageRef = Annotated[str, StringConstraints(max_length=300, pattern=rf"^{_NAME}(?::{_TAG}|@sha256:[0-9a-f]{{64}})?$")]
+#: an image reference as Docker writes it (`python:3.12`, `ghcr.io/org/img:tag@sha256:…`) or a shoal name;
+#: the pattern is a first filter, shoal.images.reference.parse_reference has the last word
+ImageRef = Annotated[str, StringConstraints(max_length=400, pattern=REFERENCE_PATTERN)]
 #: the name of a new image: name[:tag]
-NEW_IMAGE_RE = rf"^{_NAME}(?::{_TAG})?$"
+NEW_IMAGE_RE = NEW_NAME_PATTERN
 #: a user inside the sandbox (name or uid)
 UserName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00:]+$")]
 Hostname = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9-]{1,63}$")]
@@ -53,7 +53,8 @@ class SandboxSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    image: ImageRef = Field(L.DEFAULT_IMAGE, description="image reference: name[:tag] or name@sha256:…")
+    image: ImageRef = Field(L.DEFAULT_IMAGE, description="image reference as Docker writes it: name[:tag], "
+                            "host[:port]/path:tag, name@sha256:…, name:tag@sha256:… (docs/images.md)")
     backend: str = Field(L.DEFAULT_BACKEND, description="where the sandbox runs (see docs/architecture.md)",
                          json_schema_extra={"enum": [*backend_names()]})
     runtime: str | None = Field(None, description="container runtime; null = the best that works here",
@@ -65,6 +66,10 @@ class SandboxSpec(BaseModel):
     max_output_bytes: int = Field(L.DEFAULT_MAX_OUTPUT_BYTES, ge=L.MAX_OUTPUT_BYTES_RANGE[0],
                                   le=L.MAX_OUTPUT_BYTES_RANGE[1], description="bytes of stdout+stderr kept per command")
     network: bool | Annotated[list[EgressRule], Field(max_length=256)] = Field(False, description=_NETWORK_DOC)
+    egress_grants: Annotated[list[EgressRule], Field(max_length=256)] | None = Field(
+        None, description="protected destinations (private, metadata, reserved, cluster, or CIDR[:port]) this "
+        "sandbox may reach beyond the node's egress_allow: the operator's policy; the API server sets it from "
+        "the caller's project (`shoal token policy`) and ignores what a project token sends (docs/security.md)")
     egress_mbps: float | None = Field(None, gt=0, le=100_000,
                                       description="shape what the sandbox sends to this many Mbit/s (needs a network)")
     ttl_s: float | None = Field(L.DEFAULT_TTL_S, gt=0, le=L.MAX_TTL_S,
@@ -84,6 +89,14 @@ class SandboxSpec(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise spec_error(e) from None
+
+    @field_validator("image")
+    @classmethod
+    def _valid_reference(cls, v: str) -> str:
+        from shoal.images.refs import parse_ref
+
+        parse_ref(v)  # the pattern is a first filter; this names the bad part
+        return v
 
     @field_validator("backend")
     @classmethod
@@ -114,6 +127,15 @@ class SandboxSpec(BaseModel):
             from shoal.egress import check_network
 
             check_network(v, settings().egress_sets)  # InvalidRequest names a bad rule (shoal.egress)
+        return v
+
+    @field_validator("egress_grants")
+    @classmethod
+    def _grants_parse(cls, v: list[str] | None) -> list[str] | None:
+        if v:
+            from shoal.egress import parse_grants
+
+            parse_grants(v)  # InvalidRequest names a bad grant
         return v
 
     @model_validator(mode="after")

@@ -144,3 +144,41 @@ async def test_swerex_tokens_and_unsupported(rex: dict, shoal_home: Path) -> Non
     assert r.status_code == 511 and "/nope" in r.json()["swerexception"]["message"]
     r = httpx.post(f"{url}/swerex/{sid}/run_in_session", content=b"not json", headers={"X-API-Key": rex["token"]})
     assert r.status_code == 511 and r.json()["swerexception"]["class_path"] == "builtins.ValueError"
+
+
+async def test_swerex_blank_commands_and_output_cut(api_server: ServerProcess, shoal_home: Path) -> None:
+    """Empty, blank and comment-only commands succeed with empty output (SWE-agent sends '' on every run);
+    output past the sandbox's max_output_bytes ends with a notice saying where it was cut, in a session and in
+    execute (where a raw caller also gets `stdout_truncated`/`stderr_truncated`)."""
+    token = TokenStore(shoal_home).create(f"rex-{secrets.token_hex(3)}", name="swe-rex cut")
+    hdr = {"Authorization": f"Bearer {token}"}
+    cap = 64 << 10
+    r = httpx.post(f"{api_server.url}/v1/sandboxes", json={"image": "base", "max_output_bytes": cap},
+                   headers=hdr, timeout=120)
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    try:
+        rt = RemoteRuntime(host=f"{api_server.url}/swerex/{sid}", port=None, auth_token=token, timeout=30)
+        await rt.create_session(CreateBashSessionRequest())
+        for cmd in ("", "  \t", "\n\n", "# only a comment", "# one\n\n  # two"):
+            obs = await rt.run_in_session(BashAction(command=cmd, check="raise"))
+            assert (obs.output, obs.exit_code) == ("", 0), cmd
+        # a comment after a command still runs the command
+        assert (await rt.run_in_session(BashAction(command="echo x # note"))).output == "x\n"
+        big = "head -c 100000 /dev/zero | tr '\\0' a"
+        obs = await rt.run_in_session(BashAction(command=big))
+        body, _, notice = obs.output.partition("\n[shoal: output cut at")
+        assert body == "a" * cap and str(cap) in notice and obs.exit_code == 0
+        small = await rt.run_in_session(BashAction(command="head -c 1000 /dev/zero | tr '\\0' b"))
+        assert small.output == "b" * 1000
+        r2 = await rt.execute(Command(command=big + "; " + big + " >&2", shell=True))
+        for text, what in ((r2.stdout, "stdout"), (r2.stderr, "stderr")):
+            body, _, notice = text.partition(f"\n[shoal: {what} cut at")
+            assert body == "a" * cap and str(cap) in notice
+        raw = httpx.post(f"{api_server.url}/swerex/{sid}/execute", headers={"X-API-Key": token},
+                         json={"command": big, "shell": True}, timeout=30).json()
+        assert raw["stdout_truncated"] is True and raw["stderr_truncated"] is False
+        full = await rt.execute(Command(command=["sh", "-c", "head -c 5000 /dev/zero | tr '\\0' c"]))
+        assert full.stdout == "c" * 5000
+    finally:
+        httpx.delete(f"{api_server.url}/v1/sandboxes/{sid}", headers=hdr, timeout=60)

@@ -57,8 +57,7 @@ def test_unsupported_endpoints_answer_clear_errors(api_server: ServerProcess, sh
 
         # envd: Connect RPCs shoal does not serve, and malformed calls, in Connect's error shape
         rpc = [
-            ("filesystem.Filesystem/WatchDir", "watching", 501, True),
-            ("filesystem.Filesystem/CreateWatcher", "watching", 501, False),
+            ("filesystem.Filesystem/CreateWatcher", "No such file", 404, False),
             ("process.Process/Bogus", "Bogus", 501, False),
             ("process.Process/SendSignal", "signal", 400, False),
             ("process.Process/SendInput", "not found", 404, False),
@@ -103,9 +102,10 @@ def test_unsupported_endpoints_answer_clear_errors(api_server: ServerProcess, sh
         r = httpx.post(f"{url}/files", params={"path": "/tmp/x"}, content=b"gz", headers={**envd, "Content-Encoding":
                                                                                           "gzip"})
         assert r.status_code == 400 and "gzip" in r.json()["message"]
-        # a port nobody serves: E2B's proxy answer
+        # a port nothing listens on: E2B's proxy answer
         r = httpx.get(f"{url}/", headers={**envd, "E2b-Sandbox-Port": "8080"})
-        assert r.status_code == 502 and "port 8080 is not open" in r.json()["message"]
+        assert r.status_code == 502 and r.json()["message"] == "The sandbox is running but port is not open"
+        assert r.json()["port"] == 8080
 
         # the code interpreter: other languages, unknown contexts, endpoints it does not have
         r = httpx.post(f"{url}/execute", json={"code": "1", "language": "r"}, headers=ci)

@@ -153,7 +153,6 @@ def test_verl_style_call(fusion: FusionServer) -> None:
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"code": "fmt.Println(1)", "language": "go"}, "unknown language 'go'"),
     ({"code": "x" * (5 << 20), "language": "python"}, "code is"),
     ({"code": "print(1)", "language": "python", "files": {"a": "***"}}, "base64"),
     ({"code": "print(1)", "language": "python", "run_timeout": 0}, "positive"),

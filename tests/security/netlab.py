@@ -10,11 +10,14 @@ address.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -126,6 +129,147 @@ class Internet:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
 
     def __enter__(self) -> Internet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def listening_tcp(ns: str | None = None) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in a network namespace (None: this one)."""
+    argv = ["ss", "-ltnH"]
+    if ns:
+        argv = ["ip", "netns", "exec", ns, *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        found.append((host.strip("[]"), int(port)))
+    return found
+
+
+class RayMachines:
+    """A Ray cluster laid out the way it is deployed: its nodes on "machines" of their own.
+
+    The head runs in one network namespace (an `Internet` on 198.18.0.0/15), each of `workers` more Ray
+    nodes (offering the `shoal` resource) in one more, and the host itself is one more worker, at its
+    address on the head's veth (sandboxes run there, behind the node's bridge and nftables). Every Ray
+    process runs in a session of its own started here (`ray start --block`) and is killed at `close()`,
+    with the namespaces and veths."""
+
+    GCS_PORT = 6379  # free: the head has a network namespace of its own
+
+    def __init__(self, workers: int = 1) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="shray-", dir="/tmp")
+        self.head = Internet()
+        self.machines: list[Internet] = []
+        self._procs: list[subprocess.Popen] = []
+        self._args: list[tuple[str | None, tuple[str, ...]]] = []
+        self._retries = 0
+        try:
+            self.machines = [Internet() for _ in range(workers)]
+            # the other machines reach the head (and each other) through the host, like through a switch
+            for m in self.machines:
+                self.head._sh(f"ip -n {self.head.ns} route add {m.subnet}.0/24 via {self.head.host_ip}")
+            self._ray(self.head.ns, "--head", f"--node-ip-address={self.head.ip}", f"--port={self.GCS_PORT}",
+                      "--include-dashboard=false", f"--temp-dir={self.temp_dir}", "--num-cpus=1")
+            for m in self.machines:
+                self._ray(m.ns, f"--address={self.address}", f"--node-ip-address={m.ip}", "--num-cpus=1",
+                          '--resources={"shoal": 1}')
+            from shoal.server.proc import free_port
+
+            ports = [free_port(self.host_ip) for _ in range(4)]
+            self._ray(None, f"--address={self.address}", f"--node-ip-address={self.host_ip}", "--num-cpus=1",
+                      '--resources={"shoal": 1}', f"--dashboard-agent-listen-port={ports[0]}",
+                      f"--dashboard-agent-grpc-port={ports[1]}", f"--metrics-export-port={ports[2]}",
+                      f"--runtime-env-agent-port={ports[3]}")
+            self._wait_for_nodes(2 + workers)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def address(self) -> str:
+        """The GCS address of the head (`HOST:PORT`)."""
+        return f"{self.head.ip}:{self.GCS_PORT}"
+
+    @property
+    def host_ip(self) -> str:
+        """The host worker's node address (its end of the head's veth)."""
+        return self.head.host_ip
+
+    def _ray(self, ns: str | None, *args: str, slot: int | None = None) -> None:
+        ray = str(Path(sys.executable).with_name("ray"))
+        argv = [ray, "start", "--block", "--disable-usage-stats", *args]
+        if ns:
+            argv = ["ip", "netns", "exec", ns, *argv]
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        i = len(self._procs) if slot is None else slot
+        log = open(self._log(i), "ab")  # noqa: SIM115
+        p = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        log.close()
+        if slot is None:
+            self._procs.append(p)
+            self._args.append((ns, args))
+        else:
+            self._procs[slot] = p
+
+    def _log(self, i: int) -> Path:
+        return Path(self.temp_dir) / f"start-{i}.log"
+
+    def _wait_for_nodes(self, n: int, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        script = ("import ray, sys; ray.init(address=sys.argv[1], logging_level=40); "
+                  "print(sum(1 for x in ray.nodes() if x['Alive']))")
+        while time.monotonic() < deadline:
+            for i, p in enumerate(self._procs):
+                if p.poll() is not None:
+                    tail = self._log(i).read_text(errors="replace")[-3000:]
+                    # Ray gives a raylet 30 s (fixed) to register; on a loaded 2-core host that can pass
+                    if "timed out during startup" in tail and self._retries < 3:
+                        self._retries += 1
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(p.pid, signal.SIGKILL)  # what it started before giving up
+                        self._ray(self._args[i][0], *self._args[i][1], slot=i)
+                        continue
+                    raise RuntimeError(f"ray start #{i} exited ({p.returncode}): {tail}")
+            r = subprocess.run(["ip", "netns", "exec", self.head.ns, sys.executable, "-c", script, self.address],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == [str(n)]:
+                return
+            time.sleep(1.0)
+        logs = "\n".join(self._log(i).read_text(errors="replace")[-1500:] for i in range(len(self._procs)))
+        raise RuntimeError(f"the Ray cluster did not reach {n} nodes: {logs}")
+
+    def machine_addresses(self) -> list[tuple[str, str | None]]:
+        """(address, namespace) of every node of the cluster: the head, the other machines, the host."""
+        return [(self.head.ip, self.head.ns), *((m.ip, m.ns) for m in self.machines), (self.host_ip, None)]
+
+    def close(self) -> None:
+        """Stop every Ray process of this cluster, remove the machines (idempotent)."""
+        from shoal.cluster.local import ray_processes_of
+
+        for p in self._procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+        self._procs.clear()
+        for _ in range(3):  # the raylets' workers (new sessions of their own) named by the session directory
+            left = ray_processes_of(self.temp_dir)
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        for m in (*self.machines, self.head):
+            m.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> RayMachines:
         return self
 
     def __exit__(self, *exc: object) -> None:

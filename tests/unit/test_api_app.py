@@ -29,7 +29,7 @@ def _app(home: Path, **kw: object) -> tuple[TestClient, Node]:
     cfg = NodeConfig(paths=Paths(home=home, store=home / "store"))
     node = Node(cfg)
     app = create_app(node, ServerSettings(**kw), manage_node=False)  # type: ignore[arg-type]
-    return TestClient(app, raise_server_exceptions=False), node
+    return TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1"), node
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The compatible APIs' pure parts without a sandbox: Connect envelopes and error mapping, the interpreter's
-output splitter, Host routing, template resolution and per-sandbox access tokens."""
+"""The compatible APIs' pure parts without a sandbox: Connect envelopes and error mapping, Host routing,
+template resolution and per-sandbox access tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 
 from shoal.errors import FileNotFound, ImageNotFound, InvalidRequest, SandboxError, Unauthorized
 from shoal.server.compat import common, connect, routing
-from shoal.server.compat.e2b_interpreter import _Splitter
 from shoal.server.tokens import Principal, TokenStore
 
 
@@ -28,22 +27,6 @@ def test_connect_envelopes_and_errors() -> None:
     assert connect.rpc_error(SandboxError("x")).code == "unavailable"
     assert connect.rpc_error(ValueError("bug")).code == "internal"
     assert connect.error_response(connect.RpcError("unimplemented", "no")).status_code == 501
-
-
-def test_interpreter_splitter_separates_output_from_records() -> None:
-    mark = b"\x1eNONCE"
-    s = _Splitter(mark)
-    out = s.feed(b"hello\npart")
-    out += s.feed(b"ial\n" + mark[:3])  # a record marker split across chunks
-    out += s.feed(mark[3:] + b'{"type":"end"}\nafter')
-    out += s.feed(b"", final=True)
-    texts = "".join(v for k, v in out if k == "text")
-    assert texts == "hello\npartialafter"  # the newline the driver writes before a record is not output
-    assert [v for k, v in out if k == "record"] == [{"type": "end"}]
-    # a UTF-8 character split across chunks decodes whole
-    s = _Splitter(mark)
-    got = s.feed("é".encode()[:1]) + s.feed("é".encode()[1:], final=True)
-    assert "".join(v for _, v in got) == "é"
 
 
 def test_routing_by_header_and_host() -> None:
@@ -86,6 +69,11 @@ def test_template_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         common.template_aliases()
     monkeypatch.delenv("SHOAL_E2B_TEMPLATES")
     reset()
+    # E2B's interpreter templates: the `code-interpreter` image once it is built, the default image before
+    assert common.resolve_template(st, team, "code-interpreter-v1") == "base"
+    st.node.store.names.add("code-interpreter")
+    assert common.resolve_template(st, team, "code-interpreter-v1") == "code-interpreter:latest"
+    assert common.resolve_template(st, team, "base") == "base"
 
 
 def test_access_tokens_open_one_sandbox_and_die_with_their_token(tmp_path: Path) -> None:

@@ -1,96 +1,187 @@
-"""Dockerfile -> shoal recipe: what each instruction becomes, and a clear error for what shoal cannot build."""
+"""Dockerfile syntax (BuildKit's parser and word expansion), .dockerignore matching, stages and targets,
+build options, and the clear errors for what cannot be built."""
 
 from __future__ import annotations
 
+import gzip
+import io
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from shoal.errors import InvalidRequest
-from shoal.images.dockerfile import dockerfile_digest, dockerfile_image_ref, dockerfile_recipe, substitute
-from shoal.images.recipe import Copy, Env, Run, User, Workdir
+from shoal.images.dockerbuild import (
+    BuildOptions,
+    _healthcheck,
+    context_tarball,
+    needed_stages,
+    split_stages,
+)
+from shoal.images.dockerfile import dockerfile_digest, dockerfile_image_ref, substitute
+from shoal.images.dockerfile_syntax import Lexer, parse_dockerfile
+from shoal.images.dockerignore import DockerIgnore, context_files
 
 
-def _df(tmp_path: Path, text: str, **kw: object):
-    (tmp_path / "Dockerfile").write_text(text)
-    return dockerfile_recipe(tmp_path, "t:1", **kw)
+def test_continuations_comments_flags_json_and_directives() -> None:
+    df = parse_dockerfile("""# syntax=docker/dockerfile:1
+# escape=\\
+ARG BASE=debian
+FROM ${BASE}:bookworm AS build
+RUN apt-get update && \\
+    # a comment inside a continued line is dropped
 
-
-def test_instructions_become_steps(tmp_path: Path) -> None:
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.py").write_text("a")
-    (tmp_path / "req.txt").write_text("x")
-    b = _df(tmp_path, """# comment
-ARG BASE=base
-FROM ${BASE} AS build
-ARG VER=1.2
-ENV A=1 B="two words" \\
-    C=$A-x
-ENV LEGACY value with spaces
-WORKDIR /app
-WORKDIR sub
-COPY --chown=1000:1000 src/ ./src/
-ADD req.txt /etc/
-RUN echo $VER && \\
-    # a comment inside a continued line
-    echo done
-RUN ["python3", "-c", "print(1)"]
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN set -x | cat
-USER 1000
+    apt-get install -y x
+RUN --mount=type=cache,target=/root/.cache --mount=type=tmpfs,target=/t --network=none make
 CMD ["sleep", "infinity"]
-EXPOSE 80
+copy --chown=1:2 a b
 """)
-    r = b.recipe
-    assert b.base == r.base == "base" and r.ref == "t:1"
-    assert r.steps[0] == Env({"A": "1", "B": "two words", "C": "1-x"})
-    assert r.steps[1] == Env({"LEGACY": "value with spaces"})
-    assert r.steps[2:4] == [Workdir("/app"), Workdir("/app/sub")]
-    assert isinstance(r.steps[4], Copy) and r.steps[4].owner == "1000:1000" and r.steps[4].dst == "./src/"
-    assert isinstance(r.steps[5], Copy) and r.steps[5].dst == "/etc/"
-    # build args are in RUN's environment (as in Docker), not in the image's
-    assert r.steps[6] == Run("export VER=1.2; echo $VER && echo done", network=True)
-    assert r.steps[7].cmd.endswith("python3 -c 'print(1)'")
-    assert r.steps[8].cmd.endswith("/bin/bash -o pipefail -c 'set -x | cat'")
-    assert r.steps[9] == User("1000")
-    assert b.ignored == ["CMD (line 19)", "EXPOSE (line 20)"]
+    assert df.directives == {"syntax": "docker/dockerfile:1", "escape": "\\"}
+    cmds = [i.cmd for i in df.instructions]
+    assert cmds == ["ARG", "FROM", "RUN", "RUN", "CMD", "COPY"]  # keywords are case-insensitive
+    run = df.instructions[2]
+    assert run.rest == "apt-get update &&     apt-get install -y x" and run.line == 5
+    m = df.instructions[3]
+    assert m.flag_all("mount") == ["type=cache,target=/root/.cache", "type=tmpfs,target=/t"]
+    assert m.flag("network") == "none" and m.rest == "make"
+    assert df.instructions[4].json == ["sleep", "infinity"]
+    assert df.instructions[5].flag("chown") == "1:2"
 
 
-def test_from_map_build_args_and_dockerignore(tmp_path: Path) -> None:
-    (tmp_path / "keep.txt").write_text("k")
-    (tmp_path / "drop.log").write_text("d")
-    (tmp_path / ".dockerignore").write_text("# logs\n*.log\n")
-    b = _df(tmp_path, "ARG TAG=12\nFROM debian:$TAG\nARG N\nRUN echo $N\nCOPY . /w\n",
-            from_map={"debian:bookworm": "base"}, build_args={"TAG": "bookworm", "N": "7"})
-    assert b.recipe.base == "base"
-    assert b.recipe.steps[0].cmd == "export N=7; echo $N"
-    assert b.recipe.steps[1].exclude == ["*.log"]
+def test_backtick_escape_directive() -> None:
+    df = parse_dockerfile("# escape=`\nFROM x\nRUN echo a `\n  b\n")
+    assert df.escape == "`" and df.instructions[1].rest == "echo a   b"
+
+
+def test_heredocs() -> None:
+    df = parse_dockerfile("""FROM x
+RUN <<EOF
+echo $HOME
+EOF
+RUN python3 <<'PY' > /out
+print(1)
+PY
+COPY <<-"A" <<b /dir/
+\thello $X
+\tA
+bee $X
+b
+""")
+    r1, r2, c = df.instructions[1:]
+    assert r1.heredocs[0].content == "echo $HOME\n" and r1.heredocs[0].expand
+    assert r2.heredocs[0].name == "PY" and not r2.heredocs[0].expand and r2.rest == "python3 <<'PY' > /out"
+    assert [(h.name, h.content, h.expand, h.chomp) for h in c.heredocs] == [
+        ("A", "hello $X\n", False, True), ("b", "bee $X\n", True, False)]
+    with pytest.raises(InvalidRequest, match="no terminating 'EOF'"):
+        parse_dockerfile("FROM x\nRUN <<EOF\necho\n")
+
+
+@pytest.mark.parametrize(("text", "env", "words"), [
+    ('a "b c" $X', {"X": "d e"}, ["a", "b c", "d", "e"]),
+    ("'$X' \"$X\"", {"X": "1"}, ["$X", "1"]),
+    ("${A:-dflt} ${B:-dflt} ${A:+alt} ${B:+alt}x", {"A": "a"}, ["a", "dflt", "alt", "x"]),
+    ("${E-unset} ${E:-empty}", {"E": ""}, ["empty"]),
+    ("a\\ b \\$X", {"X": "1"}, ["a b", "$X"]),
+    ("${F%.tar.gz} ${P##*/} ${P#*/} ${S/o/0} ${S//o/0}", {"F": "x.tar.gz", "P": "a/b/c", "S": "foo"},
+     ["x", "c", "b/c", "f0o", "f00"]),
+    ("${NESTED:-${A}-x}", {"A": "a"}, ["a-x"]),
+])
+def test_word_expansion(text: str, env: dict[str, str], words: list[str]) -> None:
+    assert Lexer().words(text, env) == words
+
+
+def test_expansion_errors() -> None:
+    with pytest.raises(InvalidRequest, match="must be set"):
+        Lexer().word("${X:?must be set}", {})
+    with pytest.raises(InvalidRequest, match="matching double-quote"):
+        Lexer().words('"abc', {})
+
+
+def test_dockerignore_matching(tmp_path: Path) -> None:
+    ign = DockerIgnore(["# comment", "*.log", "**/__pycache__", "/build", "docs/*.md", "!docs/keep.md", "node_modules",
+                        "!node_modules/keep"])
+    assert ign.excluded("a.log") and not ign.excluded("sub/a.log")  # `*` does not cross '/'
+    assert ign.excluded("x/y/__pycache__/m.pyc") and ign.excluded("__pycache__")
+    assert ign.excluded("build/out.o") and not ign.excluded("src/build")
+    assert ign.excluded("docs/a.md") and not ign.excluded("docs/keep.md")
+    assert ign.excluded("node_modules/x") and not ign.excluded("node_modules/keep")
+    for rel in ("keep.txt", "drop.log", "node_modules/x/y", "node_modules/keep"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    got = [r for r, _ in context_files(tmp_path, ign)]
+    assert got == ["keep.txt", "node_modules", "node_modules/keep"]
+
+
+def _stages(text: str, **kw: object) -> tuple:
+    return split_stages(text, BuildOptions(tag="t:1", context=Path("."), **kw))  # type: ignore[arg-type]
+
+
+def test_stages_global_args_and_targets() -> None:
+    stages, gargs, lex, _ = _stages("""ARG V=12
+ARG REG
+FROM debian:$V AS base
+FROM ${REG:-docker.io}/python:3 AS py
+FROM base AS build
+COPY --from=py /x /y
+FROM base AS unused
+FROM build
+RUN --mount=type=bind,from=unused,target=/u true
+""", build_args={"V": "bookworm"})
+    assert [(s.name, s.base) for s in stages] == [("base", "debian:bookworm"), ("py", "docker.io/python:3"),
+                                                  ("build", "base"), ("unused", "base"), (None, "build")]
+    assert gargs["V"] == "bookworm" and gargs["TARGETARCH"] == "amd64"
+    need = needed_stages(stages, stages[2], lex, gargs)
+    assert [s.name for s in need] == ["base", "py", "build"]  # `unused` is not built for --target build
+    assert [s.index for s in needed_stages(stages, stages[-1], lex, gargs)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(("text", "words"), [
     ("RUN true\n", "before FROM"),
-    ("FROM base\nFROM base\n", "multi-stage"),
-    ("FROM base AS a\nCOPY --from=a /x /y\n", "--from"),
-    ("FROM base\nRUN --mount=type=cache,target=/x true\n", "BuildKit"),
-    ("FROM base\nADD https://example.com/x.tgz /x\n", "URL"),
-    ("FROM base\nADD a.tar.gz /x\n", "archive"),
-    ("FROM base\nCOPY missing.txt /x\n", "no such file"),
-    ("FROM base\nCOPY ../outside /x\n", "outside the build context"),
-    ("FROM base\nCOPY --chown=app:app f /x\n", "numeric ids"),
-    ("FROM base\nRUN <<EOF\necho hi\nEOF\n", "heredocs"),
-    ("FROM base\nONBUILD RUN true\n", "ONBUILD"),
-    ("FROM base\nFROBNICATE x\n", "unknown instruction FROBNICATE"),
-    ("FROM scratch\n", "scratch"),
     ("# nothing\n", "no FROM"),
-    ("FROM base\nENV =x\n", "NAME=value"),
+    ("FROM a AS x\nFROM b AS x\n", "duplicate stage name"),
+    ("FROM a AS 1x\n", "invalid stage name"),
+    ("FROM a b\n", "FROM needs an image"),
+    ("FROM --platform=linux/arm64 a\n", "builds linux/amd64"),
 ])
-def test_unsupported_is_a_clear_error(tmp_path: Path, text: str, words: str) -> None:
-    (tmp_path / "f").write_text("f")
-    (tmp_path / "a.tar.gz").write_text("")
-    (tmp_path.parent / "outside").mkdir(exist_ok=True)
-    with pytest.raises(InvalidRequest, match=words) as e:
-        _df(tmp_path, text)
-    assert str(tmp_path / "Dockerfile") in e.value.message  # names the file (and the line)
+def test_stage_errors(text: str, words: str) -> None:
+    with pytest.raises(InvalidRequest, match=words):
+        _stages(text)
+
+
+def test_healthcheck_config() -> None:
+    df = parse_dockerfile("FROM x\nHEALTHCHECK --interval=30s --timeout=1m30s --retries=3 CMD curl -f http://l/\n"
+                          "HEALTHCHECK CMD [\"true\"]\nHEALTHCHECK NONE\n")
+    a, b, c = (_healthcheck(i, ["/bin/sh", "-c"], "Dockerfile") for i in df.instructions[1:])
+    assert a == {"Test": ["CMD-SHELL", "curl -f http://l/"], "Interval": 30 * 10**9, "Timeout": 90 * 10**9,
+                 "Retries": 3}
+    assert b == {"Test": ["CMD", "true"]} and c == {"Test": ["NONE"]}
+
+
+def test_build_options_check(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="not a digest"):
+        BuildOptions(tag="a@sha256:" + "0" * 64, context=tmp_path).check()
+    with pytest.raises(InvalidRequest, match="linux/amd64 only"):
+        BuildOptions(tag="a:1", context=tmp_path, platform="linux/arm64").check()
+    with pytest.raises(InvalidRequest, match="not a directory"):
+        BuildOptions(tag="a:1", context=tmp_path / "nope").check()
+    BuildOptions(tag="a:1", context=tmp_path, platform="linux/amd64").check()
+
+
+def test_context_tarball_leaves_out_ignored_files(tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("FROM x\n")
+    (tmp_path / "keep.py").write_text("k")
+    (tmp_path / "big.log").write_text("x" * 1000)
+    (tmp_path / ".dockerignore").write_text("*.log\nDockerfile\n")
+    other = tmp_path.parent / f"{tmp_path.name}-df"
+    other.write_text("FROM y\n")
+    data, name = context_tarball(tmp_path)
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tf:
+        names = sorted(tf.getnames())
+    # the Dockerfile always travels (the server reads it; COPY still leaves it out, as .dockerignore says)
+    assert names == [".dockerignore", "Dockerfile", "keep.py"] and name == "Dockerfile"
+    data, name = context_tarball(tmp_path, other)
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tf:
+        assert tf.extractfile(name).read() == b"FROM y\n"  # type: ignore[union-attr]
 
 
 def test_substitute() -> None:

@@ -62,3 +62,47 @@ def test_dns_wire_helpers() -> None:
     assert ips == ["198.18.1.1"]
     assert struct.unpack(">H", out[6:8])[0] == 2  # the CNAME and the public A record
     assert socket.inet_aton("10.0.0.5") not in out and b"\x03cdn\x04test\x00" in out
+
+
+# ---- issue 23: protected destinations, the operator's grants, non-overlapping set elements ----------
+def test_overlapping_rules_become_disjoint_boxes() -> None:
+    import ipaddress
+
+    from shoal.egress import box, box_text, covered, disjoint
+
+    n = ipaddress.IPv4Network
+    boxes = [box(n("198.51.100.0/24"), (80, 80)), box(n("198.51.100.2/32"), (8080, 8080)),
+             box(n("198.51.100.0/24"), (8000, 8050))]
+    out = disjoint(boxes)
+    # no two boxes overlap in both addresses and ports, and together they cover exactly the input
+    for i, a in enumerate(out):
+        for b in out[i + 1:]:
+            assert not (a[0] <= b[1] and b[0] <= a[1] and a[2] <= b[3] and b[2] <= a[3]), (a, b)
+    for b in boxes:
+        assert covered(b, out)
+    assert not covered(box(n("198.51.100.2/32"), (8051, 8051)), out)
+    assert {box_text(b) for b in out} == {"198.51.100.0/31", "198.51.100.2", "198.51.100.3-198.51.100.255"}
+
+
+def test_rules_into_protected_ranges_need_a_grant() -> None:
+    import ipaddress
+
+    from shoal.egress import check_policy, parse_grants
+    from shoal.errors import EgressForbidden
+
+    cluster = [ipaddress.IPv4Network("198.18.3.1/32")]
+    for rule, kind in (("0.0.0.0/0", None), ("169.254.169.254/32:80", "metadata"), ("10.1.2.3:5432", "private"),
+                       ("100.64.0.0/10", "private"), ("198.18.3.0/24", "cluster"), ("127.0.0.1", "reserved")):
+        with pytest.raises(EgressForbidden, match="network rule") as ei:
+            check_policy(parse_rules([rule]), parse_grants([]), cluster)
+        assert ei.value.details["rule"] == rule and (kind is None or ei.value.details["kind"] == kind)
+        assert ei.value.http_status == 403
+    # public rules and domains need nothing; granted ones pass, and only as far as granted
+    check_policy(parse_rules(["203.0.113.0/24:5432", "pypi", "198.18.4.0/24"]), parse_grants([]), cluster)
+    check_policy(parse_rules(["10.1.2.3:5432"]), parse_grants(["10.1.0.0/16:5432"]), cluster)
+    check_policy(parse_rules(["10.1.2.3", "192.168.1.0/24:22"]), parse_grants(["private"]), cluster)
+    check_policy(parse_rules(["198.18.3.1:6379"]), parse_grants(["cluster"]), cluster)
+    with pytest.raises(EgressForbidden):
+        check_policy(parse_rules(["10.1.2.3:5433"]), parse_grants(["10.1.0.0/16:5432"]), cluster)
+    with pytest.raises(InvalidRequest, match="neither a keyword"):
+        parse_grants(["intranet"])

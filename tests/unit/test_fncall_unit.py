@@ -39,7 +39,7 @@ def test_languages_and_aliases() -> None:
         assert lang.tools, lang.name
 
 
-@pytest.mark.parametrize("name", ["rust", "", "javascript", 3])
+@pytest.mark.parametrize("name", ["cobol", "", "php", 3])
 def test_unknown_language_names_the_supported_ones(name: object) -> None:
     with pytest.raises(InvalidRequest) as e:
         get_language(name)  # type: ignore[arg-type]

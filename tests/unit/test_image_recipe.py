@@ -74,7 +74,7 @@ user = "1000"
     ('from = "base"\n[[steps]]\ncopy = "."\n', "to ="),
     ('from = "base"\n[[steps]]\nworkdir = "relative"\n', "absolute"),
     ('from = "base"\n[[steps]]\nrun = ""\n', "non-empty"),
-    ('from = "Bad Name"\n', "bad image name"),
+    ('from = "Bad Name"\n', "bad image reference"),
     ('from = "base"\n[[steps]]\ncopy = "."\nto = "/x"\nowner = "root"\n', "uid:gid"),
     ("this is = not toml = at all", "TOML"),
 ])

@@ -200,7 +200,7 @@ def test_an_unsatisfiable_gang_over_http_is_a_429_before_anything_starts(fake_ho
     node = Node(fake_config(fake_home, memory_overcommit=300 / total_mb))
     add_image(node.store, "t:1", {"/work/x": "x"})
     app = create_app(node, ServerSettings(), manage_node=True)
-    with TestClient(app, raise_server_exceptions=False) as http:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as http:
         # the HTTP API offers the real backends only; admission refuses before any container would start
         body = {"image": "t:1", "memory_mb": 100, "n": 4, "all_or_nothing": True}
         r = http.post("/v1/sandboxes/batch", json=body)

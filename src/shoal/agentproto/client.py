@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -18,18 +17,15 @@ from typing import Any
 
 from shoal.errors import (
     AgentProtocolError,
-    FileNotFound,
     InvalidRequest,
     SandboxError,
-    SandboxFileError,
-    ShellNotFound,
-    ShoalError,
     Timeout,
-    Unauthorized,
 )
 from shoal.models import DirEntry, ExecResult, StreamEvent
 
 from . import frames as F
+from .errors import agent_error
+from .relay import PortStream, WatchStream
 
 DEFAULT_MAX_OUTPUT = 1 << 20
 _READ_SIZE = 1 << 18
@@ -39,50 +35,11 @@ _READ_SIZE = 1 << 18
 _HIGH = 4 << 20
 _LOW = 1 << 20
 
-# Ops whose `not_found` & co. are about the cwd of a process, not about a file the caller named.
-_PROCESS_OPS = frozenset({"exec", "shell_open", "shell_run", "shell_close"})
-_FILE_CODES = frozenset(
-    {"not_found", "exists", "not_a_directory", "is_a_directory", "permission_denied", "too_large", "io_error"}
-)
-
-
 @dataclass
 class ShellResult(ExecResult):
     """An :class:`ExecResult` of ``shell_run``; ``alive`` is False when the command ended the shell."""
 
     alive: bool = True
-
-
-def agent_error(op: str, payload: Mapping[str, Any]) -> ShoalError:
-    """Map an agent ERR payload to the typed error the rest of shoal expects."""
-    code = str(payload.get("code", ""))
-    message = str(payload.get("message", "agent error"))
-    details: dict[str, Any] = {"agent_code": code}
-    if payload.get("errno") is not None:
-        details["errno"] = payload["errno"]
-    if code == "unauthorized":
-        return Unauthorized(f"agent refused the request: {message}", **details)
-    if code == "no_such_shell":
-        return ShellNotFound(message, **details)
-    if code in ("bad_request", "no_such_user", "shell_busy"):
-        return InvalidRequest(message, **details)
-    if code == "unknown_op":
-        return AgentProtocolError(f"agent does not know op {op!r} (version mismatch?): {message}", **details)
-    if code == "spawn_failed":
-        # a program that does not exist or cannot be executed is the caller's mistake (HTTP 422);
-        # anything else (EAGAIN at the pids limit, ENOMEM) is the sandbox's state
-        if payload.get("errno") in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.ELOOP):
-            return InvalidRequest(f"cannot run the command: {message}", **details)
-        return SandboxError(f"could not start the process: {message}", **details)
-    if code in _FILE_CODES:
-        if op in _PROCESS_OPS:
-            if code == "io_error":
-                return SandboxError(message, **details)
-            return InvalidRequest(message, **details)
-        if code == "not_found":
-            return FileNotFound(message, **details)
-        return SandboxFileError(message, **details)
-    return SandboxError(f"agent error {code or '?'}: {message}", **details)
 
 
 class _Stream:
@@ -682,3 +639,15 @@ class AgentClient:
         """Processes in the sandbox: ``[{"pid","ppid","comm","state"}]``."""
         resp = await self._call("ps")
         return list(resp.get("processes", []))
+
+    async def tcp_connect(self, port: int, timeout: float | None = 10.0) -> PortStream:
+        """A byte stream to TCP ``port`` on the sandbox's own loopback (127.0.0.1, then ::1), opened by the
+        agent: works without a network in the sandbox. Nothing listening → :class:`PortClosed`."""
+        s = await self._open("tcp_connect", port=int(port))
+        return await PortStream.opened(self, s, port, timeout)
+
+    async def watch(self, path: str, *, recursive: bool = False) -> WatchStream:
+        """Filesystem events (inotify) of the directory ``path`` and, with ``recursive``, of everything below
+        it, until :meth:`WatchStream.stop`."""
+        s = await self._open("watch", path=path, recursive=recursive or None)
+        return await WatchStream.opened(self, s, path)

@@ -25,6 +25,8 @@ SIGNAL = 0x14
 RESIZE = 0x15
 DATA = 0x16
 DATA_END = 0x17
+READY = 0x18
+EVENT = 0x19
 
 FRAME_NAMES: dict[int, str] = {
     REQ: "REQ",
@@ -38,6 +40,8 @@ FRAME_NAMES: dict[int, str] = {
     RESIZE: "RESIZE",
     DATA: "DATA",
     DATA_END: "DATA_END",
+    READY: "READY",
+    EVENT: "EVENT",
 }
 
 #: Bytes before the payload: u32 length, u8 type, u32 stream.

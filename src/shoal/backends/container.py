@@ -25,7 +25,7 @@ from shoal.backends.oci import build_config, render_config
 from shoal.backends.registry import make_runtime
 from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.config import settings
-from shoal.egress import check_network
+from shoal.egress import check_network, grants_for
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
@@ -316,9 +316,14 @@ class ContainerBackend(Backend):
             if spec.network:
                 net = self.ctx.network()
                 policy = check_network(spec.network, settings().egress_sets)
-                netns = await net.setup(rec, policy, spec.egress_mbps)
-                # an allowlist sandbox asks the node's DNS proxy (shoal.node.dnsproxy); the others the host's
-                resolv = str(self.guestfs.proxy_resolv() if policy is not None else net.resolv_conf())
+                # network=True: the protected destinations the operator's policy grants (shoal.egress);
+                # an allowlist reaches what its rules name (checked against the policy by Node.create)
+                grants = None if policy is not None else grants_for(
+                    spec.egress_grants, settings().egress_allow).boxes(net.blocked_nets())
+                netns = await net.setup(rec, policy, spec.egress_mbps, grants)
+                # every networked sandbox asks the node's DNS proxy (shoal.node.dnsproxy), named in a
+                # resolv.conf of the node's own: no host file (nor its path and device) is bound in
+                resolv = str(self.guestfs.proxy_resolv())
                 crash_point("create.network")
             run_dir = None
             if rt.passes_fds:
@@ -345,6 +350,7 @@ class ContainerBackend(Backend):
                 pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
                 proc_binds=rt.proc_binds, **gf.config_args(spec.memory_mb, swap_mb),
                 agent_run_dir=str(run_dir) if run_dir else None, bind_tmp=rt.own_tmp and _tmp_dir(rootfs),
+                extra_mounts=rec.extra.get("build_mounts"),
             )
             (d / "config.json").write_text(render_config(cfg))
             rec.save()

@@ -1,4 +1,5 @@
-"""The function-call backend: short code runs (python, bash, sh, c, cpp) on warm pools of containers.
+"""The function-call backend: short code runs (python, bash, sh, c, cpp, go, java, nodejs, typescript, rust,
+pytest) on warm pools of containers.
 
 `node.fncall().run_code(code, language="python", ...)` borrows an idle container from the
 pool of its (image, limits), runs the code there in a fresh process and a fresh working directory,
@@ -7,7 +8,7 @@ create or close: `Client.run_code` / `run_code_many` are the user-facing doors, 
 `shoal.server.fusion`) the SandboxFusion-compatible HTTP one. Design and guarantees: docs/fncall.md.
 
 Modules: `fncall_languages` (what to run), `fncall_pool` (containers and workers),
-`fncall_worker` (what runs inside a pooled container), `fncall_image` (the `fncall` image with gcc/g++).
+`fncall_worker` (what runs inside a pooled container), `fncall_image` (the images beyond `base`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shoal.backends.base import Backend, Capability
-from shoal.backends.fncall_languages import ALL_TOOLS, FNCALL_IMAGE, Language, get_language
+from shoal.backends.fncall_languages import ALL_TOOLS, BASE_IMAGE, FNCALL_IMAGE, LANGS_IMAGE, Language, get_language
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
 from shoal.config import settings
 from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, QuotaExceeded, ShoalError
@@ -97,7 +98,7 @@ class FncallConfig:
     gid: int = 65534
     workdir: str = "/sandbox"
     fsize_mb: int = 256
-    #: build the fncall image (gcc/g++) on the first c/cpp call when the store lacks it
+    #: build a language's image (fncall: gcc/g++; fncall-langs: go, java, ...) on its first call when missing
     auto_build_image: bool = True
     maintain_interval_s: float = 1.0
     #: default concurrency of run_code_many
@@ -269,14 +270,17 @@ class FncallManager:
                 self._images_seen.add(ref)
             return ref
         image = lang.image
-        if image == FNCALL_IMAGE and not self.node.store.exists(image):
-            if not self.config.auto_build_image:
-                raise ImageNotFound(f"language {lang.name} runs in image {image}, which is not built: "
-                                    "run `shoal fncall setup`")
-            from shoal.backends.fncall_image import ensure_fncall_image
+        if image != BASE_IMAGE and image not in self._images_seen:
+            if not await asyncio.to_thread(self.node.store.exists, image):
+                if not self.config.auto_build_image:
+                    flag = " --all" if image == LANGS_IMAGE else ""
+                    raise ImageNotFound(f"language {lang.name} runs in image {image}, which is not built: "
+                                        f"run `shoal fncall setup{flag}`")
+                from shoal.backends.fncall_image import ensure_fncall_image
 
-            log.warning("building image %s for %s (once per store; takes a few minutes)", image, lang.name)
-            await ensure_fncall_image(self.node, image, log=lambda s: log.info("fncall image: %s", s))
+                log.warning("building image %s for %s (once per store; takes a few minutes)", image, lang.name)
+                await ensure_fncall_image(self.node, image, log=lambda s: log.info("fncall image: %s", s))
+            self._images_seen.add(image)
         return image
 
     # ---- requests
@@ -338,10 +342,11 @@ class FncallManager:
             steps.append({"name": "compile", "mode": "exec", "argv": list(lang.compile), "timeout": comp_t,
                           "memory_mb": None, "stdin": False})
         steps.append({"name": "run", "mode": lang.mode, "argv": [*lang.run, *args], "args": args,
-                      "file": f"{c.workdir.rstrip('/')}/{lang.source}", "timeout": run_t, "memory_mb": mem,
+                      "file": f"{c.workdir.rstrip('/')}/{lang.source}", "timeout": run_t,
+                      "memory_mb": mem if lang.limit_address_space else None, "pool_memory_mb": mem,
                       "stdin": True})
         hdr = {"op": "run", "steps": steps, "source": lang.source, "has_stdin": stdin_b is not None,
-               "env": dict(env or {}), "max_output": cap, "files": file_list, "fetch": fetch,
+               "env": {**dict(lang.env), **dict(env or {})}, "max_output": cap, "files": file_list, "fetch": fetch,
                "max_fetch": c.max_fetch_bytes}
         deadline = sum(s["timeout"] for s in steps) + _HOST_GRACE_S
         return hdr, [code_b, stdin_b or b"", *file_blobs], deadline
@@ -364,7 +369,7 @@ class FncallManager:
                                              compile_timeout=compile_timeout, memory_mb=memory_mb, files=files,
                                              fetch_files=fetch_files, env=env, args=args, max_output=max_output)
         image = await self._image_for(lang, image)
-        p = self.pool(image, hdr["steps"][-1]["memory_mb"], cpus)
+        p = self.pool(image, hdr["steps"][-1]["pool_memory_mb"], cpus)
         w = await p.acquire()
         queued = time.monotonic() - t0
         missing = [t for t in lang.tools if not w.tools.get(t)]

@@ -1,7 +1,13 @@
-"""The `fncall` image: `base` plus the C/C++ toolchain, built once per store and reused.
+"""The images fncall languages run in, beyond `base`: built once per store, on first use, and reused.
 
-Built like any image a user would make by hand: a `base` sandbox with network access runs apt-get,
-then `snapshot` packs its writable layer into a new layer on top of `base`'s. Concurrent builders
+- `fncall:latest` = `base` + gcc, g++ (c, cpp);
+- `fncall-langs:<version>` = `fncall:latest` + Go, a JDK, Node.js with esbuild, rustc and pytest (go, java,
+  nodejs, typescript, rust, pytest): about 1 GB of Debian packages, so it is built only when one of those
+  languages is first asked for (or by `shoal fncall setup --all`). Its tag changes with its package list, so a
+  store never serves an image older than what the languages expect.
+
+Built like any image a user would make by hand: a sandbox of the parent image with network access runs
+apt-get, then `snapshot` packs its writable layer into a new layer on top of the parent's. Concurrent builders
 (two processes, two tasks) serialize on a host lock and the second one finds the image made.
 """
 
@@ -10,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shoal.errors import ImageBuildError, ImageNotFound
@@ -25,33 +33,76 @@ FNCALL_PACKAGES = ["gcc", "g++", "libc6-dev"]
 _LOCKS: dict[str, asyncio.Lock] = {}
 
 
-def _install_script(packages: list[str]) -> str:
+@dataclass(frozen=True)
+class Recipe:
+    """How one fncall image is made: its parent, the Debian packages added, a check that they work."""
+
+    name: str
+    parent: str
+    packages: tuple[str, ...]
+    check: str
+    #: shell run before apt-get (what a package's scripts assume of a full Debian that `base` leaves out)
+    prepare: str = ""
+
+    @property
+    def ref(self) -> str:
+        """`name:tag`; the tag of a versioned recipe is a digest of what it installs."""
+        if self.name == "fncall":
+            return "fncall:latest"  # the first one, named before tags were versioned; its packages never change
+        digest = hashlib.sha256(repr((self.parent, self.packages, self.check, self.prepare)).encode()).hexdigest()[:10]
+        return f"{self.name}:{digest}"
+
+
+FNCALL_RECIPE = Recipe("fncall", "base:latest", tuple(FNCALL_PACKAGES),
+                       "gcc --version | head -1; g++ --version | head -1")
+#: golang-go, default-jdk-headless, nodejs + esbuild, rustc (links with gcc: hence the parent), pytest
+LANGS_RECIPE = Recipe(
+    "fncall-langs", FNCALL_RECIPE.ref,
+    ("golang-go", "default-jdk-headless", "nodejs", "esbuild", "rustc", "python3-pytest"),
+    "go version; javac -version; java -version 2>&1 | head -1; echo node $(node --version); "
+    "echo esbuild $(esbuild --version); rustc --version; python3 -m pytest --version",
+    # `base` has no manual pages; the JRE's postinst links java.1.gz there and fails without the directory
+    prepare="mkdir -p /usr/share/man/man1")
+RECIPES = {r.ref: r for r in (FNCALL_RECIPE, LANGS_RECIPE)}
+
+
+def _install_script(packages: list[str] | tuple[str, ...], check: str = FNCALL_RECIPE.check,
+                    prepare: str = "") -> str:
     pkgs = " ".join(packages)
     return (
         "set -e; export DEBIAN_FRONTEND=noninteractive; "
+        + (f"{prepare}; " if prepare else "") +
         "apt-get update -q; "
         f"apt-get install -y -q --no-install-recommends {pkgs}; "
         # nothing of the download belongs in the layer: lists and caches are stale the moment it is packed
         "apt-get clean; rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log "
         "/tmp/* /var/tmp/* /root/.cache; "
-        "gcc --version | head -1; g++ --version | head -1"
+        + check
     )
 
 
-async def build_fncall_image(node: Node, ref: str = "fncall:latest", *, base: str = "base:latest",
+async def build_fncall_image(node: Node, ref: str = "fncall:latest", *, base: str | None = None,
                              packages: list[str] | None = None,
                              log: Callable[[str], None] | None = None) -> dict:
-    """Build `ref` = `base` + `packages` (default gcc, g++, libc6-dev) and return the image summary."""
+    """Build `ref` and return the image summary: a known fncall image (`RECIPES`) from its recipe, or any
+    `ref` = `base` (default base:latest) + `packages` (default gcc, g++, libc6-dev)."""
     log = log or (lambda s: None)
-    packages = packages or list(FNCALL_PACKAGES)
+    recipe = RECIPES.get(ref)
+    check = recipe.check if recipe and packages is None else ""
+    prepare = recipe.prepare if recipe and packages is None else ""
+    base = base or (recipe.parent if recipe else "base:latest")
+    packages = packages or list(recipe.packages if recipe else FNCALL_PACKAGES)
     if not node.store.exists(base):
-        raise ImageNotFound(f"cannot build {ref}: image {base} is missing; run `shoal image build base` first")
+        parent = RECIPES.get(base)
+        if parent is None:
+            raise ImageNotFound(f"cannot build {ref}: image {base} is missing; run `shoal image build base` first")
+        await ensure_fncall_image(node, base, log=log)
     t0 = time.monotonic()
     log(f"creating a {base} sandbox with network access to install {', '.join(packages)}")
     info = await node.create(SandboxSpec(image=base, network=True, cpus=2.0, memory_mb=2048, ttl_s=3600,
-                                         labels={"shoal.fncall.build": ref}))
+                                         disk_mb=8192, labels={"shoal.fncall.build": ref}))
     try:
-        handle = await node.stream(info.id, _install_script(packages), timeout=1800)
+        handle = await node.stream(info.id, _install_script(packages, check, prepare), timeout=1800)
         tail: list[str] = []
         partial = b""
         async for ev in handle:

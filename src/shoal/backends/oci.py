@@ -85,7 +85,8 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  empty_dir: str | None = None, empty_file: str | None = None,
                  proc_files: dict[str, str] | None = None,
                  proc_binds: frozenset[str] | None = None,
-                 agent_run_dir: str | None = None, bind_tmp: bool = False) -> dict[str, Any]:
+                 agent_run_dir: str | None = None, bind_tmp: bool = False,
+                 extra_mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Return config.json for a sandbox whose PID 1 is the shoal agent listening on fd 3.
 
     `empty_dir`/`empty_file` mask paths by a read-only bind instead of the runtime's own masks (a tmpfs
@@ -96,7 +97,8 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     With `agent_run_dir` (a host directory, bound read-write at AGENT_RUN_IN_SANDBOX) the agent listens on a
     socket there instead of fd 3 (runtimes that cannot hand it an fd). `bind_tmp` binds the rootfs's own /tmp
     at /tmp (gVisor mounts a tmpfs of its own kernel at an empty /tmp unless the spec mounts something there:
-    files in it would miss the writable layer, snapshots and disk_mb)."""
+    files in it would miss the writable layer, snapshots and disk_mb). `extra_mounts` (OCI mount entries) are
+    added last: a Dockerfile build's RUN --mount cache, bind, secret and tmpfs mounts (never user-given)."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
     resources: dict[str, Any] = {
@@ -169,6 +171,7 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
             continue
         mounts.append({"destination": dst, "type": "bind", "source": src,
                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
+    mounts += list(extra_mounts or [])
     # raw sockets are for networked sandboxes (ping, traceroute, packet tools); with only a loopback
     # device they serve nothing, so a sandbox without network does not get them
     caps = DEFAULT_CAPS if netns_path else [c for c in DEFAULT_CAPS if c != "CAP_NET_RAW"]

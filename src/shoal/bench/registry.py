@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "compat": "shoal.bench.scenarios.compat",
     "cluster": "shoal.bench.scenarios.cluster",
     "store": "shoal.bench.scenarios.store",
+    "build": "shoal.bench.scenarios.build",
     "gvisor": "shoal.bench.scenarios.gvisor",
     "dashboard": "shoal.bench.scenarios.dashboard",
 }
@@ -36,7 +37,8 @@ SCENARIOS: dict[str, str] = {
 #: other names users reach for (the image issue speaks of `shoal bench image`)
 ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api", "ui": "dashboard", "events": "dashboard",
-                           "e2b": "compat", "swerex": "compat", "ray": "cluster"}
+                           "e2b": "compat", "swerex": "compat", "ray": "cluster",
+                           "dockerfile": "build"}
 
 
 class UnknownScenario(ValueError):

@@ -34,14 +34,16 @@ def _read_code(source: str | None, code: str | None) -> str:
 
 def _guess_language(source: str | None) -> str:
     ext = Path(source).suffix.lower() if source and source != "-" else ""
-    return {".sh": "bash", ".c": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp"}.get(ext, "python")
+    return {".sh": "bash", ".c": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp", ".go": "go", ".java": "java",
+            ".js": "nodejs", ".mjs": "nodejs", ".ts": "typescript", ".rs": "rust"}.get(ext, "python")
 
 
 @fncall_app.command("run")
 def run_cmd(source: Annotated[str | None, typer.Argument(help="file with the code ('-' or none: stdin)")] = None,
             code: Annotated[str | None, typer.Option("-c", help="the code itself")] = None,
             language: Annotated[str | None, typer.Option(
-                "--language", "-l", help="python, bash, sh, c, cpp (default: by extension)")] = None,
+                "--language", "-l", help="python, bash, sh, c, cpp, go, java, nodejs, typescript, rust, pytest "
+                             "(default: by extension)")] = None,
             stdin: Annotated[str | None, typer.Option("--stdin", help="text fed to the program's stdin")] = None,
             stdin_file: Annotated[Path | None, typer.Option("--stdin-file", help="file fed to stdin")] = None,
             file: Annotated[list[str] | None, typer.Option("--file", "-f",
@@ -49,7 +51,8 @@ def run_cmd(source: Annotated[str | None, typer.Argument(help="file with the cod
             timeout: Annotated[float | None, typer.Option(help="run timeout, seconds (default 10)")] = None,
             compile_timeout: Annotated[float | None, typer.Option(help="compile timeout, seconds")] = None,
             memory_mb: Annotated[int | None, typer.Option(help="memory limit, MiB (default 1024)")] = None,
-            image: Annotated[str | None, typer.Option(help="image (default: base, fncall for c/cpp)")] = None,
+            image: Annotated[str | None, typer.Option(
+                help="image (default: the language's, see `shoal fncall languages`)")] = None,
             as_json: Annotated[bool, typer.Option("--json", help="print the whole result as JSON")] = False,
             url: UrlOpt = None) -> None:
     """Run a snippet in a fresh process of a warm pooled container: `shoal fncall run -c 'print(1+1)'`."""
@@ -97,29 +100,43 @@ def run_cmd(source: Annotated[str | None, typer.Argument(help="file with the cod
 
 
 @fncall_app.command("setup")
-def setup_cmd(ref: Annotated[str, typer.Option(help="image to build")] = "fncall:latest",
+def setup_cmd(ref: Annotated[str | None, typer.Option(help="image to build (default: fncall:latest)")] = None,
+              all_: Annotated[bool, typer.Option("--all", help="also the image of go, java, nodejs, typescript, "
+                                                             "rust and pytest (about 1 GB of packages)")] = False,
+              language: Annotated[list[str] | None,
+                                  typer.Option("--language", "-l", help="build what LANG runs in (repeatable)")] = None,
               rebuild: Annotated[bool, typer.Option(help="build even if the image exists")] = False) -> None:
-    """Build the `fncall` image (base + gcc, g++) that c and cpp snippets run in."""
-    from shoal.backends.fncall_image import build_fncall_image, ensure_fncall_image
+    """Build the images fncall languages run in: `fncall` (base + gcc, g++) for c and cpp by default; with
+    `--all` or `--language go` the larger one with Go, a JDK, Node.js, esbuild, rustc and pytest. Without
+    this, each is built on the first call that needs it."""
+    from shoal.backends.fncall_image import LANGS_RECIPE, build_fncall_image, ensure_fncall_image
+    from shoal.backends.fncall_languages import FNCALL_IMAGE, get_language
     from shoal.node.node import Node
+
+    refs = [ref] if ref else []
+    refs += [get_language(x).image for x in language or []]
+    if all_:
+        refs += [FNCALL_IMAGE, LANGS_RECIPE.ref]
+    refs = [r for r in dict.fromkeys(refs or [FNCALL_IMAGE]) if r != "base:latest"]
 
     async def go() -> None:
         node = Node()
         await node.start(reap=False, reconcile=False)
         try:
-            if node.store.exists(ref) and not rebuild:
-                console.print(f"{ref} already exists (use --rebuild to build it again)")
-                return
-            with console.status(f"building {ref}…") as status:
-                def log(line: str) -> None:
-                    status.update(line[:100])
-                    err_console.print(f"  {line}", highlight=False, markup=False)
+            for r in refs:
+                if node.store.exists(r) and not rebuild:
+                    console.print(f"{r} already exists (use --rebuild to build it again)")
+                    continue
+                with console.status(f"building {r}…") as status:
+                    def log(line: str) -> None:
+                        status.update(line[:100])
+                        err_console.print(f"  {line}", highlight=False, markup=False)
 
-                if rebuild:
-                    await build_fncall_image(node, ref, log=log)
-                else:
-                    await ensure_fncall_image(node, ref, log=log)
-            console.print(f"[green]built[/green] {ref}")
+                    if rebuild:
+                        await build_fncall_image(node, r, log=log)
+                    else:
+                        await ensure_fncall_image(node, r, log=log)
+                console.print(f"[green]built[/green] {r}")
         finally:
             await node.stop()
 

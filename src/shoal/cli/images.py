@@ -1,4 +1,4 @@
-"""`shoal image …`: build (base or recipes), import (tarballs, registries), compose, tag, ls, layers,
+"""`shoal image …`: build (base or recipes), pull (registries), import (tarballs), compose, tag, ls, layers,
 inspect, rm, gc."""
 
 from __future__ import annotations
@@ -117,8 +117,11 @@ def split_steps(raw: list[str]) -> tuple[list[tuple[str, Any]], list[str]]:
 @image_app.command("build", cls=_OrderedCommand)
 def image_build(
     ctx: typer.Context,
-    name: Annotated[str | None, typer.Argument(help="image to build, name[:tag] (`base` is built in)")] = None,
-    file: Annotated[Path | None, typer.Option("-f", "--file", help="recipe file (TOML)")] = None,
+    name: Annotated[str | None, typer.Argument(
+        help="image to build, name[:tag] (built in: `base`, `code-interpreter`); with -t: the build CONTEXT "
+             "directory")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file",
+                                              help="recipe file (TOML), or the Dockerfile with -t")] = None,
     from_: Annotated[str | None, typer.Option("--from", help="image to build on")] = None,
     run: Annotated[list[str] | None, typer.Option("--run", metavar="CMD",
                                                   help="a step: run CMD with /bin/sh -c")] = None,
@@ -135,14 +138,35 @@ def image_build(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="rebuild every step")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the result")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the image as JSON")] = False,
+    tag: Annotated[str | None, typer.Option(
+        "-t", "--tag", metavar="NAME[:TAG]",
+        help="Dockerfile build: the image to make (then NAME is the CONTEXT)")] = None,
+    build_arg: Annotated[list[str] | None, typer.Option("--build-arg", metavar="K=V",
+                                                        help="Dockerfile build argument (repeatable)")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="Dockerfile stage to build")] = None,
+    platform: Annotated[str | None, typer.Option("--platform", help="linux/amd64 (the only one built here)")] = None,
+    secret: Annotated[list[str] | None, typer.Option("--secret", metavar="id=ID,src=FILE",
+                                                     help="a secret for RUN --mount=type=secret")] = None,
+    from_map: Annotated[list[str] | None, typer.Option("--from-map", metavar="NAME=IMAGE",
+                                                       help="build FROM NAME with shoal image IMAGE instead")] = None,
 ) -> None:
-    """Build an image: `shoal image build base`, from a recipe file (`-f recipe.toml`), or from steps: `shoal image build proj:v1 --from base --copy ./src /work --run "pip install -e /work"`."""  # noqa: E501
+    """Build an image: from a Dockerfile like `docker build` (`shoal image build -t app:1 [-f Dockerfile] [--build-arg K=V] [--target STAGE] CONTEXT`), `shoal image build base`, from a recipe file (`-f recipe.toml`), or from steps: `shoal image build proj:v1 --from base --copy ./src /work --run "pip install -e /work"`."""  # noqa: E501
     # the step options were taken out of the command line in order (see _OrderedCommand)
     steps = ctx.meta.get("shoal.steps", [])
+    if tag is not None or (file is not None and not str(file).endswith(".toml") and from_ is None and not steps):
+        if from_ is not None or steps:
+            _fail("a Dockerfile build (-t) takes no --from/--run/--copy steps", 2)
+        if tag is None:
+            _fail("name the image: shoal image build -t NAME[:TAG] [-f Dockerfile] CONTEXT", 2)
+        _build_dockerfile(str(tag), name or ".", file, build_arg or [], target, platform, secret or [],
+                          from_map or [], no_cache, network, quiet, as_json)
+        return
+    if name is not None and Path(name).is_dir() and file is None and from_ is None and not steps:
+        _fail(f"{name} is a directory: to build its Dockerfile, name the image with -t NAME[:TAG]", 2)
     if file is None and from_ is None:
         if steps:
             _fail("steps need a parent image: add --from IMAGE (or use -f recipe.toml)", 2)
-        if name is None or name.split(":")[0] == "base":
+        if name is None or name.split(":")[0] in ("base", "code-interpreter"):
             _build_base(name, quiet, as_json)
             return
         _fail(f"nothing to build {name!r} from: give --from IMAGE with steps, or -f recipe.toml", 2)
@@ -182,6 +206,67 @@ def image_build(
     _print_result(img, as_json, "built")
 
 
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for it in items:
+        k, eq, v = it.partition("=")
+        if not k or not eq:
+            _fail(f"{what} {it!r} must look like NAME=VALUE", 2)
+        out[k] = v
+    return out
+
+
+def _build_dockerfile(tag: str, context: str, file: Path | None, build_args: list[str], target: str | None,
+                      platform: str | None, secrets: list[str], from_map: list[str], no_cache: bool,
+                      network: bool | None, quiet: bool, as_json: bool) -> None:
+    import os
+
+    from shoal.errors import ShoalError
+    from shoal.images.dockerbuild import BuildOptions, build_dockerfile
+
+    args = {}
+    for it in build_args:
+        k, eq, v = it.partition("=")
+        if not k:
+            _fail(f"--build-arg {it!r} must look like NAME=VALUE", 2)
+        # as in Docker: `--build-arg NAME` takes NAME's value from the environment (skipped when unset)
+        if eq:
+            args[k] = v
+        elif k in os.environ:
+            args[k] = os.environ[k]
+    sec: dict[str, Path] = {}
+    for it in secrets:
+        f = dict(p.partition("=")[::2] for p in it.split(","))
+        sid, src = f.get("id"), f.get("src") or f.get("source")
+        if not sid or not src:
+            _fail(f"--secret {it!r} must look like id=ID,src=FILE", 2)
+        sec[str(sid)] = Path(str(src))
+    ctx_dir = Path(context)
+    df = file if file is None or file.is_absolute() or file.exists() else ctx_dir / file
+    try:
+        opts = BuildOptions(tag=tag, context=ctx_dir, dockerfile=df, build_args=args, target=target,
+                            no_cache=no_cache, platform=platform, from_map=_pairs(from_map, "--from-map"),
+                            network=True if network is None else network, secrets=sec)
+        opts.check()
+    except ShoalError as e:
+        _fail(e.message, 2)
+
+    async def go() -> Any:
+        from shoal.node.node import Node
+
+        node = Node()
+        await node.start(reap=False, reconcile=False)
+        try:
+            return await build_dockerfile(node, opts, log=None if quiet else _build_log)
+        finally:
+            await node.stop()
+
+    res = run_async(go)
+    for w in res.warnings:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
+    _print_result(res.image, as_json, "built")
+
+
 def _build_log(line: str) -> None:
     if line.startswith("["):
         head, _, rest = line.partition("]")
@@ -205,26 +290,89 @@ def _print_result(img: Any, as_json: bool, verb: str) -> None:
 
 
 def _build_base(name: str | None, quiet: bool, as_json: bool) -> None:
+    """The built-in images: `base`, and `code-interpreter` (base + matplotlib/pandas/IPython, for E2B's run_code)."""
     from shoal.images.base import build_base
+    from shoal.server.compat.interpreter_image import build_interpreter_image
 
     store = _store()
-    ref = name if name and ":" in name else "base:latest"
+    kind = (name or "base").split(":")[0]
+    ref = name if name and ":" in name else f"{kind}:latest"
+    build = build_interpreter_image if kind == "code-interpreter" else build_base
 
     async def go() -> Any:
         import asyncio
 
-        with console.status("building base image (mmdebstrap)…") as status:
+        with console.status(f"building {kind} image (mmdebstrap)…") as status:
             def log(msg: str) -> None:
                 status.update(msg)
                 if not quiet:
                     err_console.print(f"  {escape(msg)}", highlight=False)
 
-            return await asyncio.to_thread(build_base, store, ref, log=log, work_dir=_local_tmp())
+            return await asyncio.to_thread(build, store, ref, log=log, work_dir=_local_tmp())
 
     _print_result(run_async(go), as_json, "built")
 
 
-# ---- import / compose / tag ---------------------------------------------------------------------
+# ---- pull / import / compose / tag --------------------------------------------------------------
+@image_app.command("pull")
+def image_pull(
+    reference: Annotated[str, typer.Argument(help="python:3.12-slim, ghcr.io/org/img:tag, name@sha256:… (Docker's "
+                                                  "form; mirrors and credentials as in docs/images.md)")],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the pull's report as JSON")] = False,
+) -> None:
+    """Pull an image from its registry into the store, like `docker pull` (layers in parallel, each at most
+    once: layers the store already has are not fetched)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from shoal.images.pull import PullEvent, from_registry, pull_image, resolve_local
+
+    store = _store()
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        console=err_console, disable=quiet or as_json, transient=False)
+    tasks: dict[int, Any] = {}
+
+    def on_event(ev: PullEvent) -> None:
+        if ev.kind == "resolved":
+            progress.log(f"{ev.reference}: {ev.layers} layers, manifest {str(ev.digest)[:19]}")
+        elif ev.kind == "waiting":
+            progress.log(f"{ev.reference}: {ev.message}")
+        elif ev.kind in ("layer-cached", "layer-start") and ev.layer is not None:
+            label = f"{str(ev.digest)[7:19]} {'already in the store' if ev.kind == 'layer-cached' else 'downloading'}"
+            tasks[ev.layer] = progress.add_task(label, total=ev.size or None,
+                                                completed=(ev.size or 0) if ev.kind == "layer-cached" else 0)
+        elif ev.kind == "layer-bytes" and ev.layer in tasks:
+            progress.advance(tasks[ev.layer], ev.bytes)
+        elif ev.kind == "layer-done" and ev.layer in tasks:
+            progress.update(tasks[ev.layer], description=f"{str(ev.digest)[7:19]} done",
+                            completed=ev.size or progress.tasks[tasks[ev.layer]].completed)
+
+    async def go() -> Any:
+        import asyncio
+
+        def run() -> Any:
+            prev = resolve_local(store, reference)
+            return pull_image(store, reference, progress=on_event, work_dir=_local_tmp(),
+                              previous=prev if prev is not None and from_registry(prev) else None)
+
+        with progress:
+            return await asyncio.to_thread(run)
+
+    rep = run_async(go)
+    for note in rep.notes:
+        err_console.print(f"[yellow]note:[/yellow] {escape(note)}")
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=1))
+        return
+    if rep.up_to_date:
+        console.print(f"{rep.image.ref} is up to date ({rep.manifest_digest[:19]})", highlight=False)
+        return
+    how = ("pulled by another node" if rep.waited else
+           f"{rep.layers_fetched} layers fetched ({_mib(rep.bytes_fetched)}), {rep.layers_cached} already in the store")
+    console.print(f"[green]pulled[/green] {rep.image.ref} {rep.image.digest[:19]} ({how}, {rep.seconds:.1f}s)",
+                  highlight=False)
+
+
 @image_app.command("import")
 def image_import(
     source: Annotated[str, typer.Argument(help="FILE.tar (docker save / OCI layout, maybe .gz/.zst) or "

@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from shoal.cli.common import console, err_console, make_client, run_async
+from shoal.errors import InvalidRequest
 from shoal.limits import (
     DEFAULT_BACKEND,
     DEFAULT_CPUS,
@@ -79,7 +80,8 @@ def _spec_kwargs(backend: str, runtime: str | None, cpus: float, memory_mb: int,
 
 
 @app.command()
-def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (after --)")],
+def run(image: str, cmd: Annotated[list[str] | None, typer.Argument(
+            help="command (after --); none: the image's ENTRYPOINT + CMD, as `docker run IMAGE` does")] = None,
         backend: str = DEFAULT_BACKEND, runtime: str | None = None, cpus: float = DEFAULT_CPUS,
         memory_mb: int = DEFAULT_MEMORY_MB, network: bool = False, timeout: float = DEFAULT_EXEC_TIMEOUT_S,
         url: UrlOpt = None) -> None:
@@ -89,7 +91,14 @@ def run(image: str, cmd: Annotated[list[str], typer.Argument(help="command (afte
             sb = await client.create(image, **_spec_kwargs(backend, runtime, cpus, memory_mb, network, 600,
                                                            None, None))
             try:
-                r = await sb.exec(cmd if len(cmd) > 1 else cmd[0], timeout=timeout)
+                if cmd:
+                    argv: str | list[str] = cmd if len(cmd) > 1 else cmd[0]
+                else:
+                    conf = (await client.image(image)).get("config") or {}
+                    argv = [*(conf.get("entrypoint") or []), *(conf.get("cmd") or [])]
+                    if not argv:
+                        raise InvalidRequest(f"image {image} has no ENTRYPOINT or CMD: give a command after --")
+                r = await sb.exec(argv, timeout=timeout)
             finally:
                 await sb.close()
         sys.stdout.buffer.write(r.stdout if isinstance(r.stdout, bytes) else r.stdout.encode())

@@ -106,7 +106,8 @@ def token_ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     quotas = st.projects()
     if as_json:
         print(json.dumps({"tokens": [t.public() for t in toks],
-                          "projects": {p: q.__dict__ for p, q in quotas.items()}}, indent=1))
+                          "projects": {p: q.__dict__ for p, q in quotas.items()},
+                          "policies": {p: q.__dict__ for p, q in st.policies().items()}}, indent=1))
         return
     t = Table(title=f"{len(toks)} tokens")
     for col in ("id", "project", "admin", "max sandboxes", "max cpus", "max MiB", "max store MiB", "created",
@@ -157,6 +158,46 @@ def token_quota(project: Annotated[str, typer.Argument(help="project")],
         raise typer.Exit(2) from None
     err_console.print(f"quota of {project!r}: sandboxes={max_sandboxes}, cpus={max_cpus}, memory_mb={max_memory_mb}, "
                       f"store_mb={max_store_mb}")
+
+
+@token_app.command("policy")
+def token_policy(project: Annotated[str, typer.Argument(help="project")],
+                 egress_allow: Annotated[list[str] | None, typer.Option(
+                     "--egress-allow", help="a protected destination its sandboxes may reach: private, metadata, "
+                     "reserved, cluster, or CIDR[:port] (repeat)")] = None,
+                 priorities: Annotated[str | None, typer.Option(
+                     help="priority classes it may use, comma-separated (default: the default class and "
+                     "those below it)")] = None,
+                 clear: Annotated[bool, typer.Option("--clear", help="back to the defaults")] = False,
+                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Show or set what a project's sandboxes may ask for beyond the defaults: protected egress
+    destinations (docs/security.md) and priority classes (docs/scheduling.md). Options given replace
+    those fields; without options it prints the policy."""
+    from shoal.server.tokens import ProjectPolicy
+
+    st = _store()
+    pol = ProjectPolicy() if clear else st.policy(project)
+    if egress_allow is not None:
+        pol.egress_allow = [g for item in egress_allow for g in item.replace(",", " ").split()]
+    if priorities is not None:
+        pol.priorities = [p.strip() for p in priorities.split(",") if p.strip()]
+    if clear or egress_allow is not None or priorities is not None:
+        try:
+            st.set_policy(project, pol)
+        except Exception as e:
+            err_console.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps({"project": project, **pol.__dict__}, indent=1))
+        return
+    from shoal.server.policy import granted_priorities
+
+    class _St:
+        tokens = st
+
+    err_console.print(f"policy of {project!r}: egress_allow={pol.egress_allow or 'none (the node setting only)'}, "
+                      f"priorities={', '.join(granted_priorities(_St, project))}"
+                      f"{'' if pol.priorities is not None else ' (default)'}")
 
 
 def register(app: typer.Typer) -> None:

@@ -40,6 +40,8 @@ CONTROL_OPS = frozenset({"get", "close", "pause", "resume", "snapshot", "fork", 
 #: how often the agent checks whether its sandbox index changed (a stat), and rewrites it anyway
 _INDEX_POLL_S = 0.05
 _INDEX_FULL_S = 10.0
+#: how often the agent re-reads the Ray nodes' addresses (nodes that join are blocked from then on)
+_BLOCK_REFRESH_S = 15.0
 
 
 def _ok(value: Any) -> dict[str, Any]:
@@ -100,6 +102,12 @@ class InternalTokens:
 
         return Quota()
 
+    def policy(self, project: str) -> Any:
+        """No per-project policy at a node: the gateway applies it (its specs carry the egress grants)."""
+        from shoal.server.tokens import ProjectPolicy
+
+        return ProjectPolicy()
+
 
 class NodeAgent:
     """The actor class (wrapped by `ray.remote` in shoal.cluster.control). All methods run on the
@@ -122,6 +130,7 @@ class NodeAgent:
         self._server: Any = None
         self._serve_task: asyncio.Task[Any] | None = None
         self._index_task: asyncio.Task[Any] | None = None
+        self._block_task: asyncio.Task[Any] | None = None
         self._start_lock: asyncio.Lock | None = None
         self._state_cache: tuple[float, dict[str, Any]] | None = None
         self.started_at = 0.0
@@ -157,9 +166,12 @@ class NodeAgent:
         await asyncio.to_thread(lambda: node.runtime_statuses)
         self.adopted = {"sandboxes": len(await node.list())}
         self.node = node
+        # before any sandbox is made here: the cluster's own addresses are out of their reach (issue 23)
+        await self._block_cluster_addresses()
         await self._serve_http()
         self.started_at = time.time()
         self._index_task = asyncio.create_task(self._publish_index_loop(), name="shoal-agent-index")
+        self._block_task = asyncio.create_task(self._block_loop(), name="shoal-agent-block")
         log.info("node agent %s ready at %s (%d sandboxes adopted)", self.node_id, self.url,
                  self.adopted["sandboxes"])
 
@@ -228,6 +240,8 @@ class NodeAgent:
                 f"node {self.node_id} still has {len(live)} sandbox(es) (e.g. {live[0].id}); close them or "
                 "pass --force", sandboxes=len(live)))
         await self._stop_serving()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.node.network().set_blocked, f"cluster-{self.node_id}", [])
         paths = self.node.paths
         await self.node.stop()
         self.node = None
@@ -244,12 +258,12 @@ class NodeAgent:
         return _ok({"closed": rep.closed, "node_id": self.node_id})
 
     async def _stop_serving(self) -> None:
-        for t in (self._index_task,):
+        for t in (self._index_task, self._block_task):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(BaseException):
                     await t
-        self._index_task = None
+        self._index_task = self._block_task = None
         if self._server is not None:
             self._server.should_exit = True
             if self._serve_task is not None:
@@ -295,6 +309,21 @@ class NodeAgent:
             self._state_cache = None
         return _ok(res)
 
+    # ---- the cluster's own addresses, out of sandboxes' reach ---------------------------------------
+    async def _block_cluster_addresses(self) -> None:
+        """Every Ray node's address and the GCS's go into the node's @infra set (shoal.node.network): a
+        networked sandbox reaches none of their ports (Ray runs whatever a client that reaches it submits)."""
+        try:
+            addrs = await asyncio.to_thread(cluster_addresses)
+            await asyncio.to_thread(self.node.network().set_blocked, f"cluster-{self.node_id}", addrs)
+        except Exception as e:  # no nft here (then no sandbox has a network either), Ray busy: next round
+            log.warning("node agent %s: could not update the cluster's blocked addresses: %s", self.node_id, e)
+
+    async def _block_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_BLOCK_REFRESH_S)
+            await self._block_cluster_addresses()
+
     # ---- the sandbox index (read by clients when this node is gone) ------------------------------
     async def _publish_index_loop(self) -> None:
         from shoal.cluster.raylink import KV_INDEX_PREFIX, kv_put
@@ -321,3 +350,19 @@ def _index_entry(info: SandboxInfo) -> dict[str, Any]:
     return {"id": info.id, "image": info.image, "backend": info.backend, "created_at": info.created_at,
             "labels": info.labels, "node": info.node, "expires_at": info.expires_at,
             "spec": {k: spec.get(k) for k in ("cpus", "memory_mb", "project", "image", "backend") if k in spec}}
+
+
+def cluster_addresses() -> list[str]:
+    """The IPv4 addresses of the Ray cluster's nodes (every node Ray knows, alive or not) and of its GCS."""
+    import ipaddress
+
+    import ray
+
+    found = {str(n.get("NodeManagerAddress") or "") for n in ray.nodes()}
+    with contextlib.suppress(Exception):
+        found.add(str(ray.get_runtime_context().gcs_address).rsplit(":", 1)[0])
+    out = []
+    for a in found:
+        with contextlib.suppress(ValueError):
+            out.append(str(ipaddress.IPv4Address(a)))
+    return sorted(out)

@@ -572,6 +572,10 @@ class ClusterTransport(Transport):
         nid = await self._any_node()
         return await self._on_node(nid, "images", lambda h: h.images())
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        nid = await self._any_node()  # into the shared store: every node sees it
+        return await self._on_node(nid, "pull", lambda h: h.pull(reference))
+
     async def run_code(self, code: str, **kw: Any) -> Any:
         nid = await self._any_node()
         return await self._on_node(nid, "run_code", lambda h: h.run_code(code, **kw))

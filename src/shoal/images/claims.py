@@ -10,6 +10,9 @@ with O_CREAT|O_EXCL (atomic on POSIX shared filesystems) and renews its mtime wh
 wait for the step's cache entry, then use it as a cache hit. A claim not renewed for CLAIM_TTL_S belongs
 to a builder that died: it is broken and another builder takes over. A failed build removes its claim
 (no cache entry is written), so a waiter then builds the step itself and meets the same error.
+
+Pulls from registries use the same claims (`<store>/cache/pulls/<key>.claim`, shoal.images.pull): one
+node pulls an image, the others wait for its tag.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +39,7 @@ class Claim:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._task: asyncio.Task[None] | None = None
+        self._stop: threading.Event | None = None
 
     @classmethod
     def try_take(cls, path: Path) -> Claim | None:
@@ -57,6 +62,25 @@ class Claim:
                     await asyncio.to_thread(os.utime, self.path)
 
         self._task = asyncio.create_task(beat(), name="shoal-build-claim")
+
+    def start_heartbeat_thread(self) -> None:
+        """The same heartbeat from a thread, for claims taken by blocking code (a pull runs in a thread)."""
+        stop = self._stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+
+        threading.Thread(target=beat, name="shoal-claim-heartbeat", daemon=True).start()
+
+    def release_sync(self) -> None:
+        """Stop a thread heartbeat and remove the claim."""
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
 
     async def release(self) -> None:
         """Stop the heartbeat and remove the claim."""

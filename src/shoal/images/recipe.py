@@ -428,7 +428,7 @@ async def build_recipe(node: Node, recipe: Recipe, *, no_cache: bool = False,
     log = log or (lambda s: None)
     store: ImageStore = node.store
     t0 = time.monotonic()
-    base = store.resolve(recipe.base)
+    base = await node.resolve_image(recipe.base)  # a base not in the store is pulled (pull_policy)
     layers = [lay.digest for lay in base.layers]
     cfg = base.config.copy()
     cfg.env.update(recipe.env)

@@ -71,6 +71,14 @@ class ImageConfig:
     user: str = "root"
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
+    # what a Dockerfile says about running the image (kept as Docker keeps it; `shoal image inspect`)
+    labels: dict[str, str] = field(default_factory=dict)
+    exposed_ports: list[str] = field(default_factory=list)
+    volumes: list[str] = field(default_factory=list)
+    healthcheck: dict[str, Any] | None = None
+    stop_signal: str = ""
+    shell: list[str] = field(default_factory=list)
+    onbuild: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> ImageConfig:
@@ -87,11 +95,29 @@ class ImageConfig:
             c.entrypoint = [str(x) for x in d["entrypoint"]]
         if isinstance(d.get("cmd"), list):
             c.cmd = [str(x) for x in d["cmd"]]
+        if isinstance(d.get("labels"), dict):
+            c.labels = {str(k): str(v) for k, v in d["labels"].items()}
+        for key in ("exposed_ports", "volumes", "shell", "onbuild"):
+            if isinstance(d.get(key), list):
+                setattr(c, key, [str(x) for x in d[key]])
+        if isinstance(d.get("healthcheck"), dict):
+            c.healthcheck = dict(d["healthcheck"])
+        if d.get("stop_signal"):
+            c.stop_signal = str(d["stop_signal"])
         return c
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form; the Dockerfile-only fields appear only when set (so images without them keep the
+        manifest bytes, and digests, they always had)."""
+        d = asdict(self)
+        for key in ("labels", "exposed_ports", "volumes", "healthcheck", "stop_signal", "shell", "onbuild"):
+            if not d.get(key):
+                d.pop(key, None)
+        return d
 
     def copy(self) -> ImageConfig:
         """An independent copy (lists and dicts are not shared)."""
-        return ImageConfig.from_dict(asdict(self))
+        return ImageConfig.from_dict(self.to_dict())
 
 
 @dataclass
@@ -154,7 +180,7 @@ class Image:
         return {
             "name": self.name, "tag": self.tag, "digest": self.digest, "created": self.created,
             "size": self.size, "layers": [lay.digest for lay in self.layers],
-            "config": asdict(self.config), "lineage": self.lineage,
+            "config": self.config.to_dict(), "lineage": self.lineage,
         }
 
 
@@ -363,7 +389,7 @@ class ImageStore:
         manifest = {
             "schema": 1,
             "layers": list(layers),
-            "config": asdict(config or ImageConfig()),
+            "config": (config or ImageConfig()).to_dict(),
             "created": time.time(),
             "lineage": lineage or {},
         }

@@ -4,9 +4,10 @@
         --env shoal.integrations.harbor:ShoalEnvironment [--ek url=http://host:8700 --ek token=...]
 
 Harbor loads the class by import path and builds one per trial. `start()` makes the trial's image — the
-task's `[environment] docker_image` names a shoal image; an `environment/Dockerfile` is built as a shoal
-recipe with the step cache (`shoal.images.dockerfile`), so N trials of a task build it once and a
-rerun builds nothing — then creates the sandbox and the directories Harbor writes to (`/logs/agent`,
+task's `[environment] docker_image` names an image (a registry reference or a shoal image); an
+`environment/Dockerfile` is built with BuildKit's semantics and shoal's step cache (`shoal.images.dockerbuild`;
+against a server, `url=`, the context is uploaded and built there), so N trials of a task build it once
+and a rerun builds nothing — then creates the sandbox and the directories Harbor writes to (`/logs/agent`,
 `/logs/verifier`, `/logs/artifacts`). `exec` runs `bash -c` (or `sh -c`) as Harbor's user; uploads and
 downloads stream tar archives through the sandbox's agent. `stop()` closes the sandbox.
 
@@ -118,21 +119,34 @@ class ShoalEnvironment(BaseEnvironment):
                                  "give the task an environment/Dockerfile or a docker_image")
         client = _client(self._url, self._token)
         node = getattr(await client._ensure(), "node", None)
-        if node is None:
-            raise InvalidRequest("building an environment/Dockerfile needs the embedded shoal node (no url=); "
-                                 "against a shoal server, build the image there and name it in docker_image")
-        from shoal.images.dockerfile import ensure_dockerfile_image
-        from shoal.images.recipe import Workdir
+        debug = lambda s: self.logger.debug(f"shoal build: {s}")  # noqa: E731
+        if node is not None:
+            from shoal.images.dockerfile import ensure_dockerfile_image
 
-        # trials of one task start together: one builds, the others wait and find the image
-        built = await ensure_dockerfile_image(node, self.environment_dir, self.environment_name,
-                                              from_map=self._from_map, build_args=self._build_args,
-                                              network=self._build_network, force=force_build,
-                                              log=lambda s: self.logger.debug(f"shoal build: {s}"))
-        for what in built.ignored:
-            self.logger.debug(f"shoal: Dockerfile {what} skipped (it says how a container runs, not what is in it)")
-        self._workdir = next((s.path for s in reversed(built.recipe.steps) if isinstance(s, Workdir)), None)
-        return built.recipe.ref
+            # trials of one task start together: one builds, the others wait and find the image
+            built = await ensure_dockerfile_image(node, self.environment_dir, self.environment_name,
+                                                  from_map=self._from_map, build_args=self._build_args,
+                                                  network=self._build_network, force=force_build, log=debug)
+            ref, config, warnings = built.ref, built.image.config.to_dict(), built.warnings
+        else:
+            # a shoal server builds it: the context goes up as a tarball; every step is cached on the server,
+            # so the trials after the first (and reruns) build nothing
+            from shoal.images.dockerfile import dockerfile_digest, dockerfile_image_ref
+
+            if self._from_map:
+                raise InvalidRequest("from_map applies to the embedded node only: against a server, FROM names "
+                                     "are the server's images (import or pull them there)")
+            digest = await asyncio.to_thread(dockerfile_digest, self.environment_dir)
+            ref = dockerfile_image_ref(self.environment_name, digest)
+            out = await client.build_image(ref, str(self.environment_dir), build_args=self._build_args,
+                                           no_cache=force_build, network=self._build_network)
+            img = out["image"]
+            ref = f"{img['name']}:{img['tag']}" if img.get("tag") else ref
+            config, warnings = img.get("config") or {}, out.get("warnings") or []
+        for w in warnings:
+            self.logger.debug(f"shoal: {w}")
+        self._workdir = config.get("workdir") or None
+        return ref
 
     async def start(self, force_build: bool) -> None:
         """Build or find the image, create the sandbox, make Harbor's log directories."""

@@ -23,6 +23,7 @@ from shoal.models import DirEntry, ExecResult
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.agentproto.relay import PortStream, WatchStream
     from shoal.config import NodeConfig
     from shoal.node.events import EventLog
     from shoal.node.records import SandboxRecord
@@ -81,8 +82,9 @@ class DataPlane:
 
     async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
-                     tty: bool = False, stdin: bool = False) -> Any:
-        """Start a command and return its stream handle (async iterator of StreamEvent)."""
+                     tty: bool = False, stdin: bool = False, max_output: int | None = None) -> Any:
+        """Start a command and return its stream handle (async iterator of StreamEvent). `max_output` caps
+        each output stream (bytes, 0 = no cap; default: the sandbox's `max_output_bytes`)."""
         argv = _argv(cmd, self.config.posix_sh)
         rec = self.record(sandbox_id)
         cwd, user = _exec_defaults(rec, cwd, user)
@@ -90,7 +92,7 @@ class DataPlane:
         check_timeout(timeout)
         c = await self.client(sandbox_id, rec)
         # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
-        cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
+        cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES)) if max_output is None else max_output
         t0 = time.perf_counter()
         h = await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
                                 tty=tty, stdin=stdin)
@@ -147,6 +149,21 @@ class DataPlane:
         """End a shell session and its processes."""
         rec = self.record(sandbox_id)
         await self.call(rec, lambda c: c.shell_close(shell_id))
+
+    # ---- ports and watches ----------------------------------------------------------------------
+    async def open_port(self, sandbox_id: str, port: int, *, timeout: float | None = 10.0) -> PortStream:
+        """A TCP connection to `port` on the sandbox's own loopback, opened by its agent from inside (so also
+        for sandboxes without a network, and VMs). Nothing listening → PortNotOpen."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidRequest(f"port must be an integer between 1 and 65535, not {port!r}")
+        rec = self.record(sandbox_id)
+        return await self.call(rec, lambda c: c.tcp_connect(port, timeout=timeout))
+
+    async def watch(self, sandbox_id: str, path: str, *, recursive: bool = False) -> WatchStream:
+        """inotify events of a directory in the sandbox (relative paths start at its workdir)."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        return await self.call(rec, lambda c: c.watch(path, recursive=recursive))
 
 
 class LoggedStream:

@@ -1,16 +1,18 @@
-"""The node's DNS proxy for sandboxes with an egress allowlist (`network=[rules]`, shoal.egress).
+"""The node's DNS proxy for networked sandboxes (`network=True` and `network=[rules]`, shoal.egress).
 
-One process per host, listening on the bridge's address (10.89.0.1:53, UDP and TCP). A query is
-answered only for a sandbox with an allowlist (found by its source address in the network leases) and
-only for names its rules allow; anything else gets NXDOMAIN, counted per sandbox. An allowed query goes
-to the upstream resolver recorded in the sandbox's lease; the IPv4 addresses of the answer are checked
-(never the host's, another sandbox's, a private or link-local one unless a CIDR rule names it: those
-are removed from the answer) and pinned into the sandbox's nftables set with the rule's ports *before*
-the answer is sent, so the connection that follows is allowed. AAAA queries get an empty answer
-(sandboxes have no IPv6), so resolvers fall back to A at once.
+One process per host, listening on the bridge's address (10.89.0.1:53, UDP and TCP); every networked
+sandbox's resolv.conf names it (no host resolver configuration is bound into a sandbox). A query is
+answered only for a sandbox of the network leases (found by its source address). An allowlist sandbox
+gets answers only for names its rules allow; anything else gets NXDOMAIN, counted per sandbox; an
+allowed answer's addresses are pinned into the sandbox's nftables set with the rule's ports *before*
+the answer is sent, so the connection that follows is allowed. Every answer, for either kind, loses the
+addresses of protected destinations (private, link-local, reserved, the cluster's own nodes; shoal.egress)
+the sandbox is not granted: no DNS rebinding into the host's network. Allowed queries go to the upstream
+resolver recorded in the sandbox's lease. AAAA queries get an empty answer (sandboxes have no IPv6), so
+resolvers fall back to A at once.
 
-It is started by the first sandbox that needs it (`ensure_running`) and exits by itself once no lease
-has an allowlist for `IDLE_EXIT_S`, so nothing is left running after the last such sandbox.
+It is started by the first networked sandbox (`ensure_running`) and exits by itself once no lease has
+been left for `IDLE_EXIT_S`, so nothing is left running after the last one.
 
     python -m shoal.node.dnsproxy --leases /run/shoal/net-leases [--listen 10.89.0.1:53]
 """
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import json
 import logging
 import os
@@ -32,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shoal.egress import EgressPolicy
+from shoal.egress import NEVER, EgressPolicy, merge_ranges, read_blocked, subtract_ranges
 
 log = logging.getLogger("shoal.dnsproxy")
 
@@ -130,6 +133,7 @@ class Leases:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._cache: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._blocked: tuple[int, list[tuple[int, int]]] | None = None
 
     def get(self, ip: str) -> dict[str, Any] | None:
         """The lease of a sandbox address (None: no such sandbox)."""
@@ -151,12 +155,31 @@ class Leases:
         return data
 
     def any_egress(self) -> bool:
-        """True when some live lease has an allowlist."""
+        """True when some live lease is a networked sandbox this proxy answers."""
         with contextlib.suppress(OSError), os.scandir(self.root) as it:
             for e in it:
-                if e.name.count(".") == 3 and (lease := self.get(e.name)) and lease.get("egress"):
+                if e.name.count(".") == 3 and (lease := self.get(e.name)) and _answered(lease):
                     return True
         return False
+
+    def blocked(self) -> list[tuple[int, int]]:
+        """The @infra addresses (the cluster's nodes, egress_deny) as integer ranges, re-read when changed."""
+        d = self.root.parent / "net-blocked"
+        try:
+            key = d.stat().st_mtime_ns
+        except OSError:
+            return []
+        if self._blocked is None or self._blocked[0] != key:
+            nets = read_blocked(d)
+            self._blocked = (key, [(int(n.network_address), int(n.broadcast_address)) for n in nets])
+        return self._blocked[1]
+
+
+def _answered(lease: dict[str, Any]) -> bool:
+    return bool(lease.get("egress") or lease.get("open"))
+
+
+_NEVER = [(int(n.network_address), int(n.broadcast_address)) for n in NEVER]
 
 
 def pin(set_name: str, ip: str, ports: list[tuple[int, int]]) -> bool:
@@ -168,11 +191,12 @@ def pin(set_name: str, ip: str, ports: list[tuple[int, int]]) -> bool:
 
 
 class Proxy:
-    """Answers the queries of sandboxes with allowlists (see the module docstring)."""
+    """Answers the queries of networked sandboxes (see the module docstring)."""
 
     def __init__(self, leases: Path) -> None:
         self.leases = Leases(leases)
-        self.pinned: dict[str, set[tuple[str, tuple[tuple[int, int], ...]]]] = {}
+        #: sandbox address -> pinned address -> port ranges pinned for it
+        self.pinned: dict[str, dict[str, list[tuple[int, int]]]] = {}
         self.stats: dict[str, dict[str, int]] = {}
 
     def _count(self, src: str, lease: dict[str, Any] | None, what: str) -> None:
@@ -185,6 +209,20 @@ class Proxy:
                 tmp.write_text(json.dumps(st))
                 os.replace(tmp, self.leases.root / f"{src}.dns")
 
+    def _reachable(self, lease: dict[str, Any]) -> Any:
+        # an address may be given to the sandbox unless it is protected and not granted to it (an
+        # allowlist's grants are its CIDR rules)
+        grants = [(int(b[0]), int(b[1])) for b in lease.get("grants") or []]
+        blocked = self.leases.blocked()
+
+        def keep(ip: str) -> bool:
+            a = int(ipaddress.IPv4Address(ip))
+            if any(lo <= a <= hi for lo, hi in _NEVER) or any(lo <= a <= hi for lo, hi in blocked):
+                return any(lo <= a <= hi for lo, hi in grants)
+            return True
+
+        return keep
+
     async def answer(self, query: bytes, src: str) -> bytes | None:
         """The reply to one query from sandbox address `src` (None: not even a DNS query)."""
         try:
@@ -192,32 +230,43 @@ class Proxy:
         except (ValueError, IndexError, struct.error):
             return None
         lease = self.leases.get(src)
-        egress = (lease or {}).get("egress")
-        if not egress:
-            return reply(query, _REFUSED)  # not a sandbox with an allowlist: this server is not its resolver
-        policy = EgressPolicy.from_dict(egress)
-        ports = policy.ports_for(qname)
-        if not ports:
+        if not lease or not _answered(lease):
+            return reply(query, _REFUSED)  # not a networked sandbox: this server is not its resolver
+        egress = lease.get("egress")
+        policy = EgressPolicy.from_dict(egress) if egress else None
+        ports = policy.ports_for(qname) if policy is not None else []
+        if policy is not None and not ports:
             self._count(src, lease, "refused")
             return reply(query, _NXDOMAIN)
         if qtype != _A:
             return reply(query, 0)  # AAAA and the rest: no records (IPv4 only), the resolver asks for A
-        upstream = str((lease or {}).get("dns_upstream") or "")
+        upstream = str(lease.get("dns_upstream") or "")
         try:
             resp = await _forward(query, upstream)
-            filtered, ips = filter_answer(resp, policy.allows_address)
+            filtered, ips = filter_answer(resp, self._reachable(lease))
         except (OSError, TimeoutError, ValueError, IndexError, struct.error):
             return reply(query, _SERVFAIL)
-        set_name = str((lease or {}).get("egress_set") or "")
-        key = tuple(ports)
-        done = self.pinned.setdefault(src, set())
-        for ip in ips:
-            if (ip, key) in done or len(done) >= MAX_PINS:
-                continue
-            if await asyncio.to_thread(pin, set_name, ip, list(ports)):
-                done.add((ip, key))
+        if policy is not None:
+            await self._pin(src, lease, policy, ips, ports)
         self._count(src, lease, "answered")
         return filtered
+
+    async def _pin(self, src: str, lease: dict[str, Any], policy: EgressPolicy, ips: list[str],
+                   ports: list[tuple[int, int]]) -> None:
+        set_name = str(lease.get("egress_set") or "")
+        done = self.pinned.setdefault(src, {})
+        for ip in ips:
+            if ip not in done and len(done) >= MAX_PINS:
+                continue
+            a = ipaddress.IPv4Address(ip)
+            # only what is not in the set yet: nftables refuses an element overlapping one already there
+            # (a CIDR rule's, or an earlier pin with other ports)
+            have = [c.ports for c in policy.cidrs if a in c.net] + done.get(ip, [])
+            need = subtract_ranges(ports, have)
+            if not need:
+                continue
+            if await asyncio.to_thread(pin, set_name, ip, need):
+                done[ip] = merge_ranges(done.get(ip, []) + need)
 
 
 async def _forward(query: bytes, upstream: str) -> bytes:

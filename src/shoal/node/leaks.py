@@ -4,7 +4,7 @@
 start with it) that is not part of a live sandbox of its SHOAL_HOME: half-made sandboxes (records and
 directories), mounts, writable layers (btrfs subvolumes), cgroups, OCI runtime containers, layer users
 and store leases; and, host-wide, network state that no address lease accounts for: network
-namespaces, veths, bridge port registrations, allowlist chains, and leases whose veth is gone. Every list
+namespaces, veths, bridge port registrations, allowlist and grant chains, and leases whose veth is gone. Every list
 is empty on a clean host.
 """
 
@@ -57,8 +57,11 @@ def _leased_veths(leases: Path) -> dict[str, str]:
 
 def network_leaks(leases: Path) -> dict[str, list[str]]:
     """Host-wide network state no address lease accounts for (every node on the host shares it)."""
+    from shoal.node.network import grant_names
+
     leased = _leased_veths(leases)
     shorts = {v[2:] for v in leased}
+    granted = {grant_names(ip)[0] for ip in leased.values()}
     netns = [n.split()[0] for n in _run(["ip", "netns", "list"]).splitlines() if n.startswith("shoal-")]
     links = re.findall(r"^\d+: (sh[a-z0-9]+)[@:]", _run(["ip", "-o", "link", "show"]), re.M)
     table = _run(["nft", "list", "table", "inet", "shoal"])
@@ -68,6 +71,8 @@ def network_leaks(leases: Path) -> dict[str, list[str]]:
         "veths": [v for v in links if v not in leased and v != "shoal0"],
         "bridge_ports": [p for p in re.findall(r'"(sh[a-z0-9]+)"', bridge) if p not in leased],
         "allowlist_chains": [c for c in re.findall(r"chain (e_[a-z0-9]+)", table) if c[2:] not in shorts],
+        # grants are named after the address (shoal.node.network.grant_names): one without a lease is left over
+        "grant_chains": [c for c in re.findall(r"chain (g_[0-9a-f]{4})\b", table) if c not in granted],
         "leases_without_veth": sorted(ip for v, ip in leased.items() if not Path(f"/sys/class/net/{v}").exists()),
     }
 

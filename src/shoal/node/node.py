@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentbin import find_agent_binary
 from shoal.backends.base import Backend, Capability
 from shoal.backends.registry import create_backend
-from shoal.config import NodeConfig
+from shoal.config import NodeConfig, settings
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.fsutil import sha256_file
 from shoal.images import corruption
@@ -202,8 +202,21 @@ class Node(DataPlane):
         if self._network is None:
             from shoal.node.network import NetworkManager
 
-            self._network = NetworkManager(self.paths)
+            self._network = NetworkManager(self.paths, self.config.node_id)
         return self._network
+
+    def check_egress(self, spec: SandboxSpec) -> None:
+        """EgressForbidden (403, naming the rule) when an allowlist's CIDR rule reaches a protected destination
+        (private, link-local, reserved, the cluster's nodes) that the operator's policy does not grant it
+        (the egress_allow setting plus the spec's egress_grants; see shoal.egress)."""
+        if not isinstance(spec.network, list):
+            return
+        from shoal.egress import check_network, check_policy, grants_for
+
+        policy = check_network(spec.network, settings().egress_sets)
+        if policy is not None and policy.cidrs:
+            check_policy(policy, grants_for(spec.egress_grants, settings().egress_allow), self.network().blocked_nets(),
+                         who=f"project {spec.project!r}")
 
     def backend(self, name: str) -> Backend:
         """The backend object for `name` (see shoal.backends.registry), created on first use."""
@@ -243,6 +256,8 @@ class Node(DataPlane):
         from shoal.spec import check_spec
 
         check_spec(spec)
+        self.check_egress(spec)
+        self.check_egress(spec)
         self.scheduling.check_job(spec)
         image = await self.resolve_image(spec.image)
         if self.pool.active:
@@ -251,15 +266,33 @@ class Node(DataPlane):
                 return hit
         return await self.start_sandbox(spec, image)
 
-    async def resolve_image(self, ref: str) -> Image:
-        """Resolve an image for a create, after a bounded probe of the store (StoreUnavailable when it
-        does not answer), off the event loop: a hung shared filesystem never blocks the node agent."""
-        def go() -> Image:
-            self.store_health.check()
-            img = self.store.resolve(ref)
-            # a layer a node found a bad chunk in: refused until repaired (shoal.images.corruption)
-            corruption.check_layers(self.store.root, [lay.digest for lay in img.layers], what=f"image {img.ref}")
-            return img
+    async def resolve_image(self, ref: str, *, pull_policy: str | None = None) -> Image:
+        """Resolve an image for a create (or a build's base), after a bounded probe of the store
+        (StoreUnavailable when it does not answer), off the event loop: a hung shared filesystem never
+        blocks the node agent. A reference not in the store is pulled from its registry per `pull_policy`
+        (default: the setting), once however many creates ask at once (shoal.images.pull)."""
+        from shoal.images.pull import ensure_image
+
+        await asyncio.to_thread(self.store_health.check)
+        img = await ensure_image(self.store, ref, policy=pull_policy, work_dir=self.paths.home / "tmp")
+        # a layer a node found a bad chunk in: refused until repaired (shoal.images.corruption)
+        await asyncio.to_thread(corruption.check_layers, self.store.root, [lay.digest for lay in img.layers],
+                                f"image {img.ref}")
+        return img
+
+    async def pull(self, ref: str, *, progress: Any = None) -> dict[str, Any]:
+        """`shoal image pull`: ask the registry for `ref` now (as `docker pull` does: an image of that name
+        in the store is checked against the registry and replaced when it changed). Once across the nodes
+        sharing the store; returns the PullReport as a dict."""
+        from shoal.images.pull import from_registry, pull_image, resolve_local
+
+        await asyncio.to_thread(self.store_health.check)
+
+        def go() -> dict[str, Any]:
+            prev = resolve_local(self.store, ref)
+            rep = pull_image(self.store, ref, progress=progress, work_dir=self.paths.home / "tmp",
+                             previous=prev if prev is not None and from_registry(prev) else None)
+            return rep.to_dict()
 
         return await asyncio.to_thread(go)
 
@@ -344,6 +377,7 @@ class Node(DataPlane):
         from shoal.spec import check_spec
 
         check_spec(spec)
+        self.check_egress(spec)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_BATCH:
             raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_BATCH}")
         self.scheduling.check_job(spec, n)

@@ -83,6 +83,8 @@ class NodeScheduling:
         self.policy = Policy.from_settings(s, memory_overcommit=cfg.memory_overcommit,
                                            min_free_mb=cfg.min_free_memory_mb)
         self.preempt_enabled = bool(s.preempt)
+        #: the operator's policy (issue 23): without it, preemption pauses only the creator's own project's
+        self.preempt_across_projects = bool(s.preempt_across_projects)
         self.tides_enabled = bool(s.tides)
         self.tide_interval_s = float(s.tide_interval_s)
         #: jobs and what they hold on this node (for caps)
@@ -173,11 +175,14 @@ class NodeScheduling:
         return out
 
     # ---- the one-node view -------------------------------------------------------------------------
-    def view(self, *, used: bool = False, backend: str = "container", policy: Policy | None = None) -> Cluster:
+    def view(self, *, used: bool = False, backend: str = "container", policy: Policy | None = None,
+             project: str | None = None) -> Cluster:
         """This node as the scheduler sees it: promised and used memory, and every running sandbox
         (with its class, job, last call and — `used=True` — the memory pausing it would give back: its
         cgroup's charge less page cache). The node counts as offering `backend` (the one the request is
-        for; a node's own view needs no filter). `policy`: decide with these knobs instead of the node's."""
+        for; a node's own view needs no filter). `policy`: decide with these knobs instead of the node's.
+        `project`: only that project's sandboxes are candidates to pause (the others still count in the
+        node's figures)."""
         from shoal.node.records import list_records
 
         snap = self.node.admission.snapshot()
@@ -201,6 +206,8 @@ class NodeScheduling:
                 state.paused += 1
             else:
                 state.running += 1
+            if project is not None and rec.project != project:
+                continue  # counted, never a candidate
             state.by_priority[jl.priority] = state.by_priority.get(jl.priority, 0) + 1
             state.by_job[jl.job] = state.by_job.get(jl.job, 0) + 1
             used_mb = 0
@@ -254,7 +261,7 @@ class NodeScheduling:
             if len(held) < n and self.preempt_enabled and jl.priority + self.policy.preempt_gap < len(
                     self.policy.priorities):
                 req = self.request(spec, jl)
-                cluster = self.view(backend=req.backend)
+                cluster = self.view(backend=req.backend, project=self._victims_of(req))
                 extra = plan_preemption(req, n - len(held), cluster, time.time())
                 if sum(k for k, _ in extra.values()) >= n - len(held):
                     await self._pause_all([v.id for _, vs in extra.values() for v in vs], "preempt")
@@ -283,8 +290,12 @@ class NodeScheduling:
         return (self.preempt_enabled and "committed_mb" in e.details
                 and jl.priority + self.policy.preempt_gap < len(self.policy.priorities))
 
+    def _victims_of(self, req: Request) -> str | None:
+        # whose sandboxes a create may pause: its own project's, or anyone's when the operator allows it
+        return None if self.preempt_across_projects else req.project
+
     async def _preempt(self, req: Request, n: int) -> list[str]:
-        plan = plan_preemption(req, n, self.view(backend=req.backend), time.time())
+        plan = plan_preemption(req, n, self.view(backend=req.backend, project=self._victims_of(req)), time.time())
         victims = [v.id for _, vs in plan.values() for v in vs]
         await self._pause_all(victims, "preempt")
         return victims

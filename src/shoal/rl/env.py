@@ -125,9 +125,8 @@ async def ensure_task_image(client: Any, task: HarborTask) -> None:
     from shoal.images.dockerfile import ensure_dockerfile_image
 
     built = await ensure_dockerfile_image(node, task.environment_dir, task.id)
-    if built.recipe.ref != task.image:
-        raise InvalidRequest(f"task {task.id!r}: {task.environment_dir} changed since the task was loaded; "
-                             "load it again")
+    # the name covers the FROM images' digests too (a rebuilt base is a new image): the task runs what was built
+    task.image = built.ref
 
 
 class SandboxEnv:

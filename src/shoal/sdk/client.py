@@ -146,6 +146,39 @@ class Client:
         t = await self._ensure()
         return await t.images()
 
+    async def image(self, ref: str) -> dict[str, Any]:
+        """One image: {"name", "tag", "digest", "layers", "config": {entrypoint, cmd, env, workdir, user,
+        labels, exposed_ports, healthcheck, …}, "lineage"}; ImageNotFound when it is not there."""
+        t = await self._ensure()
+        return await t.image(ref)
+
+    async def build_image(self, tag: str, context: str = ".", *, dockerfile: str | None = None,
+                          build_args: dict[str, str] | None = None, target: str | None = None,
+                          no_cache: bool = False, platform: str | None = None,
+                          from_map: dict[str, str] | None = None, network: bool | builtins.list[str] = True,
+                          log: Any = None) -> dict[str, Any]:
+        """`docker build -t TAG [-f DOCKERFILE] [--build-arg K=V] [--target T] [--no-cache] CONTEXT`: build a
+        Dockerfile into image `tag` where the sandboxes run (a server gets the context as a tarball, after
+        .dockerignore). Returns {"image": {...}, "stages", "steps_run", "steps_cached", "seconds", "warnings"}.
+        `from_map` (FROM names -> images) works on an embedded node; `network` is RUN's: True, False or egress
+        rules (embedded node); `log` (a callable) gets its build lines."""
+        t = await self._ensure()
+        opts: dict[str, Any] = {"dockerfile": dockerfile, "build_args": dict(build_args or {}), "target": target,
+                                "no_cache": no_cache, "platform": platform, "network": network}
+        if from_map:
+            opts["from_map"] = dict(from_map)
+        if log is not None:
+            opts["log"] = log
+        return await t.build_image(tag, str(context), **opts)
+
+    async def pull(self, reference: str) -> dict[str, Any]:
+        """Pull an image from its registry into the store now, like `docker pull` (creates pull what they lack
+        by themselves, per the `pull_policy` setting). Returns the pull's report: the image, layers fetched
+        and already in the store, bytes fetched. Raises ImageNotFound, RegistryAuthFailed or
+        RegistryUnavailable."""
+        t = await self._ensure()
+        return await t.pull(reference)
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:

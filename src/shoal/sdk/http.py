@@ -483,6 +483,44 @@ class HttpTransport(Transport):
         r = await self._request("GET", "/v1/images")
         return list(r.json()["images"])
 
+    async def image(self, ref: str) -> dict[str, Any]:
+        r = await self._request("GET", f"/v1/images/{urllib.parse.quote(ref, safe='/:@')}")
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def build_image(self, tag: str, context: str, **opts: Any) -> dict[str, Any]:
+        from pathlib import Path
+
+        from shoal.images.dockerbuild import context_tarball
+
+        opts.pop("log", None)  # the server's build log is not streamed back (its result lists the steps)
+        unknown = set(opts) - {"dockerfile", "build_args", "target", "no_cache", "platform", "from_map", "network"}
+        if unknown:
+            raise InvalidRequest(f"unknown build option(s) {sorted(unknown)}")
+        if opts.get("from_map"):
+            raise InvalidRequest("from_map is a node setting: on a server, name the server's images in FROM (or "
+                                 "push/import them there first)")
+        data, df_name = await asyncio.to_thread(context_tarball, Path(context), opts.get("dockerfile"))
+        params: list[tuple[str, str]] = [("name", tag), ("dockerfile", df_name)]
+        for k, v in (opts.get("build_args") or {}).items():
+            params.append(("build_arg", f"{k}={v}"))
+        for key in ("target", "platform"):
+            if opts.get(key):
+                params.append((key, str(opts[key])))
+        if opts.get("no_cache"):
+            params.append(("no_cache", "true"))
+        if opts.get("network") is False:
+            params.append(("network", "false"))
+        elif isinstance(opts.get("network"), list):
+            params += [("egress", str(r)) for r in opts["network"]]
+        r = await self._request("POST", "/v1/images/dockerfile", params=params, content=data, read_timeout=None)
+        out: dict[str, Any] = r.json()
+        return out
+
+    async def pull(self, reference: str) -> dict[str, Any]:
+        r = await self._request("POST", "/v1/images/pull", json_body={"reference": reference})
+        return dict(r.json())
+
     async def run_code(self, code: str, **kw: Any) -> Any:
         body: dict[str, Any] = {"code": code, **kw}
         # bytes travel as base64 (stdin_b64, files_b64); the server turns them back into bytes

@@ -91,6 +91,22 @@ class LocalTransport(Transport):
     async def images(self) -> builtins.list[dict[str, Any]]:
         return [img.to_dict() for img in self.node.store.list_images()]
 
+    async def image(self, ref: str) -> dict[str, Any]:
+        img = await self.node.resolve_image(ref)
+        return img.to_dict()
+
+    async def build_image(self, tag: str, context: str, **opts: Any) -> dict[str, Any]:
+        from pathlib import Path
+
+        from shoal.images.dockerbuild import build_dockerfile, build_options
+
+        log = opts.pop("log", None)
+        res = await build_dockerfile(self.node, build_options(tag, Path(context), **opts), log=log)
+        return res.to_dict()
+
+    async def pull(self, reference: str) -> dict[str, Any]:
+        return await self.node.pull(reference)
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:

@@ -234,6 +234,14 @@ class SyncClient:
         """Images in the store."""
         return self._loop.run(self._client.images())
 
+    def build_image(self, tag: str, context: str = ".", **kw: Any) -> dict[str, Any]:
+        """Build a Dockerfile into image `tag` (see Client.build_image)."""
+        return self._loop.run(self._client.build_image(tag, context, **kw))
+
+    def pull(self, reference: str) -> dict[str, Any]:
+        """Pull an image from its registry (see Client.pull)."""
+        return self._loop.run(self._client.pull(reference))
+
     def events(self, sandbox_id: str | None = None, **kw: Any) -> builtins.list[Any]:
         """The event log (see Client.events)."""
         return self._loop.run(self._client.events(sandbox_id, **kw))

@@ -112,11 +112,29 @@ class Transport(ABC):
 
         raise NotImplementedYet("fork is not available on this transport")
 
+    async def pull(self, reference: str) -> dict[str, Any]:
+        """Pull an image from its registry into the store (a PullReport as a dict)."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("pulling images is not available on this transport")
+
     async def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         from shoal.errors import NotImplementedYet
 
         raise NotImplementedYet("listing images is not available on this transport")
+
+    async def image(self, ref: str) -> dict[str, Any]:
+        """One image: name, tag, digest, layers, config (entrypoint, cmd, env, workdir, user, labels…)."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("looking up images is not available on this transport")
+
+    async def build_image(self, tag: str, context: str, **opts: Any) -> dict[str, Any]:
+        """Build a Dockerfile (`docker build` semantics) into image `tag`; see Client.build_image."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("building images is not available on this transport")
 
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,

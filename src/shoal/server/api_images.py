@@ -27,6 +27,7 @@ from shoal.server.schemas import (
     BuildIn,
     EnvStep,
     ImageList,
+    ImageRef,
     NewImageName,
     RunCodeIn,
     RunStep,
@@ -41,11 +42,13 @@ RefPath = Annotated[str, PathParam(max_length=300, description="name[:tag] or na
 
 
 class PullIn(BaseModel):
-    """A registry image to copy into the store (with skopeo)."""
+    """A registry image to pull: `reference` (Docker's form, like `docker pull`), or the older skopeo import
+    of `source` (docker://…) under `name` (admin tokens)."""
 
     model_config = ConfigDict(extra="forbid")
-    source: str = Field(..., max_length=1000, description="docker://registry/name:tag")
-    name: NewImageName = Field(..., description="name[:tag] in the store")
+    reference: ImageRef | None = Field(None, description="python:3.12-slim, ghcr.io/org/img:tag, name@sha256:…")
+    source: str | None = Field(None, max_length=1000, description="docker://registry/name:tag (skopeo import)")
+    name: NewImageName | None = Field(None, description="name[:tag] in the store (with `source`)")
     tls_verify: bool = True
 
 
@@ -140,6 +143,75 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
     return ns.show_image(img.to_dict())
 
 
+@router.post("/images/dockerfile", response_model=dict[str, Any], responses=errors(403, 404, 503),
+             summary="Build a Dockerfile (docker build)",
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/octet-stream": {"schema": {"type": "string", "format": "binary",
+                                                         "description": "the build context as a (gzip) tar"}}}}})
+async def build_dockerfile_image(
+        request: Request, who: Who,
+        name: Annotated[str, Query(max_length=300, pattern=NEW_IMAGE_RE, description="name[:tag] to build")],
+        dockerfile: Annotated[str, Query(max_length=1000, description="the Dockerfile's path in the context")] =
+        "Dockerfile",
+        build_arg: Annotated[list[str] | None, Query(max_length=1000, description="NAME=VALUE, repeatable")] = None,
+        target: Annotated[str | None, Query(max_length=200)] = None,
+        platform: Annotated[str | None, Query(max_length=100)] = None,
+        no_cache: bool = False, network: bool = True,
+        egress: Annotated[list[str] | None, Query(max_length=300, description="RUN steps reach only these "
+                                                  "(egress rules, as a sandbox's network)")] = None) -> dict[str, Any]:
+    """`docker build` on the server: the body is the build context (a tar, maybe gzip; the client leaves out
+    what .dockerignore excludes), built with BuildKit's Dockerfile semantics into the caller's project. FROM
+    names resolve like any image argument (the project's images, then shared ones)."""
+    import shutil
+    import tempfile
+
+    from shoal.images.dockerbuild import BuildOptions, build_dockerfile, extract_context
+
+    st = state_of(request)
+    ns = Namespace(who)
+    target_ref = ns.for_write(name)
+    args: dict[str, str] = {}
+    for it in build_arg or []:
+        k, eq, v = it.partition("=")
+        if not k or not eq:
+            raise InvalidRequest(f"build_arg {it!r} must look like NAME=VALUE")
+        args[k] = v
+    df = Path(dockerfile)
+    if df.is_absolute() or ".." in df.parts:
+        raise InvalidRequest(f"dockerfile {dockerfile!r} must be a path inside the build context")
+    store = st.node.store
+    work = Path(tempfile.mkdtemp(prefix="shoal-ctx-", dir=store.tmp_dir))
+    try:
+        async with store_budget(store, who, f"building {name}"):
+            tar = work / "context.tar"
+            fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in request.stream():
+                    f.write(chunk)
+            ctx = work / "context"
+            ctx.mkdir()
+            await asyncio.to_thread(extract_context, tar, ctx)
+            tar.unlink()
+            opts = BuildOptions(tag=target_ref, context=ctx, dockerfile=ctx / df, build_args=args, target=target,
+                                platform=platform, no_cache=no_cache,
+                                network=list(egress) if egress and network else network)
+
+            async def resolve(ref: str) -> Any:
+                # the project's image, a shared one, or pulled per pull_policy
+                return await st.node.resolve_image(_lookup(st, ns, ref))
+
+            res = st.quotas.reserve(who, 1, opts.cpus, opts.memory_mb)
+            try:
+                out = await build_dockerfile(st.node, opts, resolve_base=resolve)
+            finally:
+                res.release()
+    finally:
+        await asyncio.to_thread(shutil.rmtree, work, True)
+    d = out.to_dict()
+    d["image"] = ns.show_image(d["image"])
+    return d
+
+
 @router.post("/images/import", response_model=dict[str, Any], responses=errors(403, 501, 503),
              summary="Import a docker-archive or OCI-layout tarball",
              openapi_extra={"requestBody": {"required": True, "content": {
@@ -167,13 +239,22 @@ async def import_image(request: Request, who: Who,
     return _report(ns, rep)
 
 
-@router.post("/images/pull", response_model=dict[str, Any], responses=errors(403, 501, 503),
+@router.post("/images/pull", response_model=dict[str, Any], responses=errors(403, 404, 501, 502, 503),
              summary="Pull an image from a registry")
 async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]:
-    """Copy a registry image into the store with skopeo (admin tokens: the server fetches the URL)."""
+    """Pull `reference` from its registry into the shared store (what a create of a missing image does by
+    itself), or import `source` (docker://…) with skopeo under `name` (admin tokens: any URL)."""
     st = state_of(request)
-    require_admin(who, "pulling from a registry")
     ns = Namespace(who)
+    if body.reference is not None:
+        if body.source is not None or body.name is not None:
+            raise InvalidRequest("give `reference` alone, or `source` and `name` (a skopeo import)")
+        out = await st.node.pull(body.reference)
+        out["image"] = ns.show_image(out["image"])
+        return dict(out)
+    if body.source is None or body.name is None:
+        raise InvalidRequest("give `reference` (e.g. python:3.12-slim), or `source` and `name`")
+    require_admin(who, "importing from a registry URL")
     from shoal.images.oci import pull_image as _pull
     rep = await asyncio.to_thread(_pull, st.node.store, body.source, ns.for_write(body.name),
                                   tls_verify=body.tls_verify)

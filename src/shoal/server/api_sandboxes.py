@@ -17,6 +17,7 @@ from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
 from shoal.models import SandboxInfo
 from shoal.server.codec import STREAM_JSON_ABOVE, b64decode_field, encode_exec_result, iter_exec_result_json
 from shoal.server.deps import Namespace, ServerState, authorized, owned, state_of
+from shoal.server.policy import apply_policy
 from shoal.server.responses import SANDBOX_ERRORS, errors
 from shoal.server.schemas import (
     BatchIn,
@@ -55,6 +56,7 @@ def _spec(st: ServerState, who: Principal, body: SpecIn) -> SandboxSpec:
         check_project(project)
     data["project"] = project or who.project
     data["image"] = Namespace(who).for_read(st, data["image"])
+    apply_policy(st, who, data)  # the operator's egress grants and priority classes (shoal.server.policy)
     return SandboxSpec(**{k: v for k, v in data.items() if k in _SPEC_FIELDS})
 
 
@@ -105,7 +107,8 @@ def _links(status: int, base: dict[int | str, Any], targets: dict[str, dict[str,
 
 
 @router.post("", status_code=201, response_model=SandboxOut, summary="Create a sandbox",
-             responses=_links(201, errors(403, 404, 500, 503, 504), {op: {"sandbox_id": _SB} for op in _ON_SANDBOX}))
+             responses=_links(201, errors(403, 404, 500, 502, 503, 504),
+                              {op: {"sandbox_id": _SB} for op in _ON_SANDBOX}))
 async def create_sandbox(body: SpecIn, request: Request, who: Who) -> dict[str, Any]:
     """Create one sandbox and wait until it is ready (its agent answers)."""
     st = state_of(request)
@@ -119,7 +122,7 @@ async def create_sandbox(body: SpecIn, request: Request, who: Who) -> dict[str, 
     return Namespace(who).show_info(info)
 
 
-@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 500, 503),
+@router.post("/batch", response_model=BatchOut, responses=errors(403, 404, 500, 502, 503),
              summary="Create many sandboxes")
 async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[str, Any]:
     """Create `n` sandboxes of one spec in one request; each item is a sandbox or the error it met
@@ -129,7 +132,14 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
         raise InvalidRequest(f"n={body.n} is over this server's batch limit of {st.settings.max_batch}",
                              errors=[{"field": "body.n", "message": f"at most {st.settings.max_batch}"}])
     spec = _spec(st, who, body)
-    st.node.store.resolve(spec.image)  # a missing image fails the request, not every item
+    # a missing image fails the request, not every item (and is pulled once here, not per item)
+    resolve = getattr(st.node, "resolve_image", None)
+    if resolve is not None:
+        await resolve(spec.image)
+    else:  # a cluster gateway: the nodes pull; only refuse what no node could get
+        from shoal.images.pull import check_available
+
+        await asyncio.to_thread(check_available, st.node.store, spec.image)
     if body.all_or_nothing:
         return await _create_gang(st, who, spec, body.n)
     res = st.quotas.reserve(_owner(st, who, spec.project), body.n, spec.cpus, spec.memory_mb, partial=True)

@@ -276,6 +276,10 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
     from shoal.server import compat
 
     compat.mount(app)
+    # outermost: a server without tokens refuses DNS rebinding and cross-origin requests (issue 23)
+    from shoal.server.browser_guard import BrowserGuard
+
+    app.add_middleware(BrowserGuard, auth_required=state.auth_required, allowed_hosts=settings.allowed_hosts)
     return app
 
 

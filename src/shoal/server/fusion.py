@@ -12,8 +12,11 @@ works against shoal unchanged:
     *_result: {status: Finished|TimeLimitExceeded|Error, execution_time, return_code, stdout, stderr, cpu_time}
 
 Like SandboxFusion, every outcome of the code itself is a 200 answer; problems of the request or of
-the sandbox (an unsupported language, oversized code, a container that died) are `SandboxError`
-answers with a message — never an exception from the server.
+the sandbox (oversized code, a container that died) are `SandboxError` answers with a message — never an
+exception from the server. A language this server does not run is, as in SandboxFusion (whose request model
+types `language` as a Literal), a 422 validation error naming the field: SandboxFusion's client raises it and
+verl records it as an API error, so it is never mistaken for code that ran and failed. (In
+`/run_code_many` such an item gets its own SandboxError answer, so one bad item does not refuse the batch.)
 
 Also here: `POST /run_code_many` (a list of SandboxFusion requests → a list of responses, run
 concurrently), `POST /v1/run_code_many` (shoal's own `run_code_many` for the SDK's HTTP transport) and
@@ -39,7 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.backends.fncall import FncallManager
-from shoal.backends.fncall_languages import supported
+from shoal.backends.fncall_languages import get_language, supported
 from shoal.errors import BackendUnavailable, InvalidRequest, ShoalError
 from shoal.models import RunCodeResult
 
@@ -215,10 +218,36 @@ async def run_fusion(mgr: FncallManager, req: RunCodeRequest) -> RunCodeResponse
 
 
 # ---- routes ---------------------------------------------------------------------------------------------
+def unknown_language(req: RunCodeRequest) -> JSONResponse | None:
+    """The 422 SandboxFusion answers for a language it does not know (FastAPI's validation-error shape: a
+    `detail` list locating `body.language`), or None when shoal runs `req.language`."""
+    try:
+        get_language(req.language)
+    except InvalidRequest as e:
+        also = ("; SandboxFusion itself knows it, but shoal's fncall images do not have its runtime"
+                if req.language in SANDBOX_FUSION_LANGUAGES else "")
+        return JSONResponse({"detail": [{"type": "literal_error", "loc": ["body", "language"],
+                                         "msg": f"{e.message}{also}", "input": req.language,
+                                         "ctx": {"expected": ", ".join(repr(x) for x in supported())}}]},
+                            status_code=422)
+    return None
+
+
+#: the `language` values SandboxFusion's own server accepts (its runners' Literal type)
+SANDBOX_FUSION_LANGUAGES = frozenset((
+    "python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql", "rust",
+    "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest", "junit", "kotlin_script", "jest",
+    "verilog", "python_gpu", "lean", "swift", "racket"))
+
+
 @router.post("/run_code", response_model=RunCodeResponse, tags=["fncall"],
-             summary="Run code (SandboxFusion-compatible)")
+             summary="Run code (SandboxFusion-compatible)",
+             responses={422: {"description": "a language this server does not run (or another invalid field)"}})
 async def run_code(req: RunCodeRequest, mgr: FncallManager = Depends(current_manager)) -> Response:
     """Run a snippet in a fresh process of a warm pooled container; SandboxFusion's request and answer."""
+    bad = unknown_language(req)
+    if bad is not None:
+        return bad
     r = await run_fusion(mgr, req)
     # serialized once here: the answer is already the validated model (this is the hot path of reward loops)
     return Response(r.model_dump_json(), media_type="application/json")

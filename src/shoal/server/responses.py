@@ -11,7 +11,8 @@ from shoal.server.schemas import ErrorOut
 
 _WHY = {
     401: "missing, malformed or unknown API token",
-    403: "a project quota would be exceeded (quota_exceeded), or the token may not do this (forbidden)",
+    403: "a project quota would be exceeded (quota_exceeded), the token may not do this (forbidden), or an image "
+         "registry refused the credentials (registry_auth_failed)",
     404: "no such sandbox, image, shell or file — or it belongs to another project",
     408: "the request body did not arrive in time",
     409: "a file operation failed inside the sandbox",
@@ -20,6 +21,7 @@ _WHY = {
     429: "the node is at capacity or the token has too many requests in progress; retry after Retry-After",
     500: "the sandbox failed (its agent died, it did not start), or a layer of its image is corrupt (image_corrupt)",
     501: "this build does not provide the capability (the message says which)",
+    502: "an image registry (and its mirrors) could not be reached or kept failing (registry_unavailable)",
     503: "the backend cannot run on this host, or the layer store does not answer (store_unavailable)",
     504: "an operation did not finish within its deadline",
 }

@@ -18,6 +18,7 @@ FROM_SETTINGS = {
     "body_total_timeout_s": "api_body_timeout", "send_timeout_s": "api_send_timeout",
     "max_inflight_per_token": "api_max_inflight", "max_queued_per_token": "api_max_queued",
     "create_concurrency": "api_create_concurrency", "max_batch": "api_max_batch", "log_level": "api_log_level",
+    "allowed_hosts": "api_allowed_hosts",
 }
 
 
@@ -64,6 +65,8 @@ class ServerSettings:
     backlog: int = 4096
     #: uvicorn log level
     log_level: str = _setting("api_log_level")
+    #: Host names a server without tokens answers to besides IP addresses and localhost (`*.domain` too)
+    allowed_hosts: tuple[str, ...] = _setting("api_allowed_hosts")
     #: log one line per request
     access_log: bool = False
 

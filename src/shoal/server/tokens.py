@@ -80,6 +80,43 @@ class Quota:
 
 
 @dataclass
+class ProjectPolicy:
+    """What the operator lets one project's sandboxes ask for beyond the defaults (issue 23)."""
+
+    #: protected destinations its sandboxes may reach (shoal.egress grants: private, metadata, reserved,
+    #: cluster, CIDR[:port]); the node's egress_allow setting adds to it
+    egress_allow: list[str] = field(default_factory=list)
+    #: priority classes (label shoal.priority) it may use; None: the default class and those below it
+    priorities: list[str] | None = None
+
+    def check(self) -> ProjectPolicy:
+        """Reject grants or class names that cannot be right."""
+        from shoal.config import settings
+        from shoal.egress import parse_grants
+
+        parse_grants(self.egress_allow)
+        if self.priorities is not None:
+            known = settings().priorities
+            bad = [p for p in self.priorities if p not in known]
+            if bad:
+                raise InvalidRequest(f"unknown priority class(es) {', '.join(bad)}: the classes are "
+                                     f"{', '.join(known)} (SHOAL_PRIORITIES)")
+        return self
+
+    def is_default(self) -> bool:
+        """True when nothing beyond the defaults is granted."""
+        return not self.egress_allow and self.priorities is None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> ProjectPolicy:
+        """Build from JSON, ignoring unknown keys."""
+        d = d or {}
+        pr = d.get("priorities")
+        return cls(egress_allow=[str(x) for x in d.get("egress_allow") or []],
+                   priorities=None if pr is None else [str(x) for x in pr])
+
+
+@dataclass
 class TokenEntry:
     """One stored token (never the secret itself)."""
 
@@ -125,7 +162,7 @@ class TokenStore:
             st = self.path.stat()
         except FileNotFoundError:
             self._cache = None
-            return {"tokens": {}, "projects": {}}
+            return {"tokens": {}, "projects": {}, "policies": {}}
         key = (st.st_mtime_ns, st.st_ino, st.st_size)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
@@ -133,6 +170,7 @@ class TokenStore:
             data = json.loads(f.read() or b"{}")
         data.setdefault("tokens", {})
         data.setdefault("projects", {})
+        data.setdefault("policies", {})
         self._cache = (key, data)
         return data
 
@@ -154,6 +192,14 @@ class TokenStore:
     def quota(self, project: str) -> Quota:
         """The quota of a project (unlimited when none was set)."""
         return Quota.from_dict(self._data()["projects"].get(project))
+
+    def policy(self, project: str) -> ProjectPolicy:
+        """What the operator grants a project beyond the defaults (egress, priority classes)."""
+        return ProjectPolicy.from_dict(self._data()["policies"].get(project))
+
+    def policies(self) -> dict[str, ProjectPolicy]:
+        """Every project with a policy entry."""
+        return {p: ProjectPolicy.from_dict(d) for p, d in self._read()["policies"].items()}
 
     def projects(self) -> dict[str, Quota]:
         """Every project with a quota entry."""
@@ -226,6 +272,16 @@ class TokenStore:
                 data["projects"].pop(project, None)
             else:
                 data["projects"][project] = asdict(quota)
+
+    def set_policy(self, project: str, policy: ProjectPolicy) -> None:
+        """Replace a project's policy (a default policy removes the entry)."""
+        check_project(project)
+        policy.check()
+        with self._locked() as data:
+            if policy.is_default():
+                data["policies"].pop(project, None)
+            else:
+                data["policies"][project] = asdict(policy)
 
     def remove(self, token_id: str) -> TokenEntry:
         """Delete a token by id (or by the full token); it stops working at the next request."""

@@ -10,6 +10,9 @@ and interleaved round by round (so drift on a shared machine hits every path ali
 - the unmodified SWE-ReX client (`RemoteRuntime.execute(Command(command=["true"]))`).
 
 The E2B vs shoal ratio compares the same command (`bash -l -c true`), so it is the protocol's cost alone.
+Then, on the same server (`compat_agents.py`): a SWE-agent-shaped step (command + state command + read_file)
+through `/swerex` vs shoal's own shell API, and SandboxFusion's `/run_code` calls/s per language next to
+python's (`-p languages=` to choose; the go/java/... image is built first when the store lacks it).
 Needs the `compat` extra (`pip install -e .[compat]`); without it the scenario says so and measures nothing.
 """
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
+from shoal.bench.scenarios.compat_agents import fusion_languages, swe_agent_step
 from shoal.bench.stats import latency_summary
 
 BASH_TRUE = ["/bin/bash", "-l", "-c", "true"]
@@ -33,6 +37,11 @@ class CompatParams:
     """How much work the compat scenario does."""
 
     rounds: int = param(500, quick=100, help="interleaved rounds of `true`, one call through each of the 4 paths")
+    step_rounds: int = param(200, quick=40, help="interleaved SWE-agent steps through /swerex and shoal's shell")
+    fusion_calls: int = param(48, quick=12, help="SandboxFusion /run_code calls per language")
+    fusion_concurrency: int = param(4, help="/run_code calls in flight")
+    languages: tuple[str, ...] = param(("python", "bash", "cpp", "go", "java", "nodejs", "typescript", "rust",
+                                        "pytest"), help="languages of the /run_code comparison (empty: skip it)")
 
 
 async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
@@ -96,6 +105,12 @@ async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
                         adv()
             finally:
                 await sb.close()
+            step_data, step_metrics = await swe_agent_step(ctx, client, srv.url, token, max(1, p.step_rounds))
+            res.data["swe_agent_step"] = step_data
+            if p.languages:
+                fusion_data, fusion_metrics = await fusion_languages(
+                    ctx, srv.url, token, max(1, p.fusion_calls), max(1, p.fusion_concurrency), p.languages)
+                res.data["fusion_languages"] = fusion_data
     finally:
         srv.stop()
     summ = {k: latency_summary(v) for k, v in lat.items()}
@@ -113,6 +128,9 @@ async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
                    note=ratio(p50["e2b"], p50["shoal_http_bash"]) + " (same command)"),
             Metric("exec p50, SWE-ReX execute([\"true\"])", p50["swerex"], None, "ms",
                    note=ratio(p50["swerex"], p50["shoal_http_true"]) + " (same command)"))
+    res.add(*step_metrics)
+    if p.languages:
+        res.add(*fusion_metrics)
     return res
 
 
@@ -121,5 +139,5 @@ async def _ok(code: int | None) -> None:
         raise RuntimeError(f"true exited {code}")
 
 
-SCENARIO = Scenario("compat", "exec round trip through the E2B SDK and SWE-ReX vs shoal's own HTTP API", run,
+SCENARIO = Scenario("compat", "E2B, SWE-ReX, SWE-agent steps and SandboxFusion languages vs shoal's own API", run,
                     CompatParams, uses_docker=False)

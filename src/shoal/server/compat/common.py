@@ -17,6 +17,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -34,10 +35,17 @@ from shoal.server.tokens import TOKEN_RE, Principal
 if TYPE_CHECKING:
     from shoal.server.deps import ServerState
 
+log = logging.getLogger("shoal.server")
 #: E2B's own template names that mean "a general Linux box" (mapped to SHOAL_E2B_DEFAULT_IMAGE)
 STOCK_TEMPLATES = ("base", "code-interpreter-v1", "code-interpreter", "desktop", "mcp-gateway")
+#: ... of which these are E2B's code interpreter (the `code-interpreter` image when the store has it)
+INTERPRETER_TEMPLATES = ("code-interpreter-v1", "code-interpreter")
 #: the label that remembers which E2B template a sandbox was created from (hidden from E2B metadata)
 TEMPLATE_LABEL = "shoal.e2b/template"
+#: whether the sandbox's ports answer without its traffic access token (E2B's allow_public_traffic)
+PUBLIC_PORTS_LABEL = "shoal.e2b/public-ports"
+#: labels the compat layer keeps for itself (not part of E2B's metadata)
+LABEL_PREFIX = "shoal.e2b/"
 #: envd version shoal reports: new enough for stdin, close-stdin and octet-stream uploads; below 0.6.2,
 #: so the SDK itself refuses file metadata (which shoal does not store)
 ENVD_VERSION = "0.5.7"
@@ -45,6 +53,21 @@ ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 #: envd access tokens: e2bsb_<shoal token id or "-">_<hmac>
 _ACCESS_RE = re.compile(r"^e2bsb_([a-z2-7]{10}|-)_([A-Za-z0-9_-]{43})$")
+
+
+def interpreter_image(st: ServerState) -> str | None:
+    """The image E2B's interpreter templates run in: `code-interpreter` (matplotlib, pandas, IPython) when the
+    store has it; None otherwise (they then get SHOAL_E2B_DEFAULT_IMAGE, and the server says once how to build
+    it)."""
+    from shoal.server.compat.interpreter_image import INTERPRETER_IMAGE
+
+    if st.node.store.exists(INTERPRETER_IMAGE):
+        return INTERPRETER_IMAGE
+    if not getattr(st, "_interpreter_image_warned", False):
+        st._interpreter_image_warned = True  # type: ignore[attr-defined]
+        log.warning("E2B template code-interpreter-v1 runs in %s without matplotlib/pandas/IPython: build "
+                    "them once with `shoal image build code-interpreter`", settings().e2b_default_image or "base")
+    return None
 
 
 def template_aliases() -> dict[str, str]:
@@ -61,7 +84,8 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
     """The shoal image (store reference) an E2B template ID names.
 
     Order: an alias from SHOAL_E2B_TEMPLATES; an image of that name (the caller's project first); E2B's
-    stock templates → SHOAL_E2B_DEFAULT_IMAGE. Anything else is ImageNotFound naming the ways to fix it.
+    interpreter templates → the `code-interpreter` image when it is built; E2B's stock templates →
+    SHOAL_E2B_DEFAULT_IMAGE. Anything else is ImageNotFound naming the ways to fix it.
     """
     template = (template or "base").strip()
     ns = Namespace(who)
@@ -73,6 +97,10 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
         if st.node.store.exists(ref):
             return ref
     if template in STOCK_TEMPLATES or template.split(":", 1)[0] in STOCK_TEMPLATES:
+        if template.split(":", 1)[0] in INTERPRETER_TEMPLATES:
+            interpreter = interpreter_image(st)
+            if interpreter is not None:
+                return interpreter
         return ns.for_read(st, settings().e2b_default_image or "base")
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")

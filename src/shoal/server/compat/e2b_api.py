@@ -28,7 +28,7 @@ from shoal.errors import (
 )
 from shoal.models import SandboxInfo
 from shoal.node.records import SandboxRecord
-from shoal.server.compat import common
+from shoal.server.compat import common, e2b_list
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
 from shoal.spec import SandboxSpec
@@ -98,7 +98,20 @@ def _str_map(value: Any, field: str) -> dict[str, str]:
 
 
 def _metadata(labels: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in labels.items() if k != common.TEMPLATE_LABEL}
+    return {k: v for k, v in labels.items() if not k.startswith(common.LABEL_PREFIX)}
+
+
+def _public_traffic(body: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
+    """`network.allowPublicTraffic` of a create request (whether its ports need the traffic access token),
+    and the body without it (any other network option is still refused)."""
+    net = body.get("network")
+    if not isinstance(net, dict) or "allowPublicTraffic" not in net:
+        return None, body
+    net = dict(net)
+    public = net.pop("allowPublicTraffic")
+    if public is not None and not isinstance(public, bool):
+        raise InvalidRequest("network.allowPublicTraffic must be a boolean")
+    return public, {**body, "network": net or None}
 
 
 def created(st: ServerState, who: Principal, info: SandboxInfo | SandboxRecord) -> dict[str, Any]:
@@ -138,6 +151,7 @@ async def _create(request: Request) -> Response:
     template = body.get("templateID")
     if not isinstance(template, str) or not template.strip():
         raise InvalidRequest("templateID is required (an E2B template ID or a shoal image name)")
+    public, body = _public_traffic(body)
     for unsupported, what in (("mcp", "MCP servers"), ("volumeMounts", "volume mounts"), ("iam", "workload identity"),
                               ("network", "network rules (allow_out/deny_out)")):
         if body.get(unsupported):
@@ -149,12 +163,16 @@ async def _create(request: Request) -> Response:
     timeout = _timeout(body["timeout"]) if body.get("timeout") is not None else DEFAULT_TIMEOUT_S
     labels = _str_map(body.get("metadata"), "metadata")
     labels[common.TEMPLATE_LABEL] = template
+    if public is not None:
+        labels[common.PUBLIC_PORTS_LABEL] = "true" if public else "false"
     env = _str_map(body.get("envVars"), "envVars")
     net = body.get("allow_internet_access")
     network = common.default_network() if net is None else bool(net)
     image = common.resolve_template(st, who, template)
-    spec = SandboxSpec(image=image, ttl_s=float(timeout), env=env, labels=labels, network=network,
-                       project=who.project)
+    from shoal.server.policy import apply_policy
+
+    spec = SandboxSpec(**apply_policy(st, who, {"image": image, "ttl_s": float(timeout), "env": env, "labels": labels,
+                                                "network": network, "project": who.project}))
     from shoal.server.api_sandboxes import _create_one
 
     async with common.slot(st, who):
@@ -170,10 +188,12 @@ async def _create(request: Request) -> Response:
 
 def prune(st: ServerState) -> None:
     """Forget what the compat layer holds for sandboxes that are gone (closed elsewhere, or by their TTL)."""
-    from shoal.server.compat import e2b_interpreter, swerex
+    from shoal.server.compat import e2b_interpreter, e2b_watch, swerex
 
     with contextlib.suppress(Exception):
         e2b_interpreter.contexts(st).prune(st)
+    with contextlib.suppress(Exception):
+        e2b_watch.watchers(st).prune(st)
     with contextlib.suppress(Exception):
         swerex.prune(st)
 
@@ -188,36 +208,47 @@ async def create_sandbox(request: Request) -> Response:
         return from_shoal(e)
 
 
-@router.get("/sandboxes")
+def _listed(st: ServerState, who: Principal) -> list[dict[str, Any]]:
+    """Every running or paused sandbox of the caller's project (admin: all) as E2B's ListedSandbox."""
+    from shoal.node.records import list_records
+
+    out = []
+    for rec in list_records(st.node.paths.sandboxes):
+        if (not who.admin and rec.project != who.project) or rec.extra.get("pool"):
+            continue
+        if rec.state in ("running", "paused"):
+            out.append(detail(st, rec, listed=True))
+    return out
+
+
 @router.get("/v2/sandboxes")
 async def list_sandboxes(request: Request) -> Response:
-    """The caller's sandboxes (E2B `Sandbox.list`): filter by `metadata` (URL-encoded k=v&...) and `state`."""
+    """A page of the caller's sandboxes (E2B `Sandbox.list`): `limit`, `nextToken` → `X-Next-Token`, `order`,
+    filters `state`, `metadata`, `startedAfter`, `template` (shoal.server.compat.e2b_list)."""
     try:
         st, who = _caller(request)
-        from urllib.parse import parse_qsl
+        q = e2b_list.parse_query(request.query_params)
+        items, token, running = e2b_list.page(_listed(st, who), q)
+        headers = {}
+        if token is not None:
+            headers["X-Next-Token"] = token
+        if running is not None:
+            headers["X-Total-Running"] = str(running)
+        return JSONResponse(items, headers=headers)
+    except Exception as e:
+        return from_shoal(e)
 
-        want = dict(parse_qsl(request.query_params.get("metadata") or ""))
-        states = {s for s in (request.query_params.get("state") or "").split(",") if s}
-        limit = request.query_params.get("limit")
-        n = int(limit) if limit and limit.isdigit() else None
-        from shoal.node.records import list_records
 
-        out = []
-        for rec in list_records(st.node.paths.sandboxes):
-            if (not who.admin and rec.project != who.project) or rec.extra.get("pool"):
-                continue
-            if rec.state not in ("running", "paused"):
-                continue
-            d = detail(st, rec, listed=True)
-            if states and d["state"] not in states:
-                continue
-            if want and any(d["metadata"].get(k) != v for k, v in want.items()):
-                continue
-            out.append(d)
-        out.sort(key=lambda d: d["startedAt"])
-        if n is not None:
-            out = out[:n]
-        return JSONResponse(out)
+@router.get("/sandboxes")
+async def list_sandboxes_v1(request: Request) -> Response:
+    """The caller's running sandboxes, newest first, filtered by `metadata` (E2B's legacy list: no pages)."""
+    try:
+        st, who = _caller(request)
+        raw = request.query_params.get("metadata")
+        q = e2b_list.ListQuery(states=("running",), metadata=e2b_list.parse_metadata(raw) if raw else ())
+        items = [d for d in _listed(st, who) if e2b_list.matches(d, q)]
+        e2b_list.sort_listed(items, ascending=False)
+        return JSONResponse(items)
     except Exception as e:
         return from_shoal(e)
 
@@ -258,11 +289,13 @@ async def kill_sandbox(sandbox_id: str, request: Request) -> Response:
 
 
 async def forget_sandbox(st: ServerState, sandbox_id: str) -> None:
-    """Drop what the compat layer keeps in memory for a sandbox (processes, interpreter contexts)."""
-    from shoal.server.compat import e2b_interpreter, e2b_procs
+    """Drop what the compat layer keeps in memory for a sandbox (processes, interpreter contexts, watchers)."""
+    from shoal.server.compat import e2b_interpreter, e2b_procs, e2b_watch
 
     with contextlib.suppress(Exception):
         await e2b_procs.table(st).drop(sandbox_id)
+    with contextlib.suppress(Exception):
+        await e2b_watch.watchers(st).drop(sandbox_id)
     with contextlib.suppress(Exception):
         await e2b_interpreter.contexts(st).drop_sandbox(sandbox_id)
 

@@ -5,10 +5,11 @@ The router (`shoal.server.compat.routing`) sends a request here when it names a 
 `E2B_DOMAIN` behind a TLS proxy). Served:
 
 - Connect RPC (JSON codec) `process.Process`: Start, Connect, List, SendInput, StreamInput, SendSignal,
-  CloseStdin, Update (PTY size); `filesystem.Filesystem`: Stat, ListDir, MakeDir, Move, Remove.
+  CloseStdin, Update (PTY size); `filesystem.Filesystem`: Stat, ListDir, MakeDir, Move, Remove, WatchDir,
+  CreateWatcher, GetWatcherEvents, RemoveWatcher.
 - HTTP: `GET /health`, `GET /files?path=` (download), `POST /files` (multipart or octet-stream upload).
 
-Not served (answered `unimplemented` / 501 naming them): directory watching, `/init`, `/envs`, `/metrics`.
+Not served (answered 501 naming them): `/init`, `/envs`, `/metrics`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
 from shoal.errors import FileNotFound, InvalidRequest, SandboxFileError, SandboxNotFound
-from shoal.server.compat import common
+from shoal.server.compat import common, e2b_watch
 from shoal.server.compat.connect import (
     RpcError,
     client_stream,
@@ -390,15 +391,64 @@ async def fs_move(request: Request) -> Response:
     return await unary(request, handler)
 
 
+@router.post("/filesystem.Filesystem/WatchDir")
+async def fs_watch_dir(request: Request) -> Response:
+    """Stream a directory's filesystem events (inotify in the sandbox; shoal.server.compat.e2b_watch)."""
+
+    async def handler(msg: dict[str, Any]) -> Any:
+        st, _who, sid = _target(request)
+        recursive = e2b_watch.watch_options(msg)
+        stream = await st.node.watch(sid, _abs(st, sid, msg.get("path")), recursive=recursive)
+        return e2b_watch.stream_events(stream, _keepalive(request))
+
+    return await server_stream(request, handler)
+
+
+@router.post("/filesystem.Filesystem/CreateWatcher")
+async def fs_create_watcher(request: Request) -> Response:
+    """Start a watcher whose events GetWatcherEvents returns."""
+
+    async def handler(msg: dict[str, Any]) -> dict[str, Any]:
+        st, _who, sid = _target(request)
+        recursive = e2b_watch.watch_options(msg)
+        w = await e2b_watch.watchers(st).create(st, sid, _abs(st, sid, msg.get("path")), recursive)
+        return {"watcherId": w.id}
+
+    return await unary(request, handler)
+
+
+@router.post("/filesystem.Filesystem/GetWatcherEvents")
+async def fs_get_watcher_events(request: Request) -> Response:
+    """The events of a watcher since the last call."""
+
+    async def handler(msg: dict[str, Any]) -> dict[str, Any]:
+        st, _who, sid = _target(request)
+        t = e2b_watch.watchers(st)
+        return {"events": t.take(t.find(sid, msg.get("watcherId", msg.get("watcher_id"))))}
+
+    return await unary(request, handler)
+
+
+@router.post("/filesystem.Filesystem/RemoveWatcher")
+async def fs_remove_watcher(request: Request) -> Response:
+    """Stop a watcher."""
+
+    async def handler(msg: dict[str, Any]) -> dict[str, Any]:
+        st, _who, sid = _target(request)
+        t = e2b_watch.watchers(st)
+        await t.remove(t.find(sid, msg.get("watcherId", msg.get("watcher_id"))))
+        return {}
+
+    return await unary(request, handler)
+
+
 @router.post("/filesystem.Filesystem/{method}")
 @router.post("/process.Process/{method}")
 async def unsupported_rpc(method: str, request: Request) -> Response:
     """RPCs shoal does not serve: Connect `unimplemented`, naming the method."""
     svc = request.url.path.split("/")[-2]
-    what = {"WatchDir": "watching directories", "CreateWatcher": "watching directories",
-            "GetWatcherEvents": "watching directories", "RemoveWatcher": "watching directories",
-            }.get(method, "this method")
-    err = RpcError("unimplemented", f"{svc}/{method}: {what} is not supported by shoal's envd (see docs/compat.md)")
+    err = RpcError("unimplemented", f"{svc}/{method}: this method is not supported by shoal's envd (see "
+                                    "docs/compat.md)")
     return error_response(err)
 
 

@@ -1,17 +1,17 @@
 """E2B's code interpreter (port 49999): `POST /execute` answering newline-delimited JSON, and contexts.
 
 Each context is one Python process inside the sandbox (`python3` running `repl_driver.SOURCE`), kept alive
-by this server between calls, so `x = 6*7` then `print(x)` works. Output streams back as it is printed:
-`{"type": "stdout"|"stderr", "text", "timestamp"}`, then `result` (the value of a final expression),
-`error` (`name`, `value`, `traceback`) and `number_of_executions`. A client that goes away interrupts the
-running code (SIGINT). Only Python is served; contexts live as long as the server process (a restarted
-server starts fresh interpreters).
+by this server between calls, so `x = 6*7` then `print(x)` works. Records stream back as the code runs, in the
+order it made them: `number_of_executions`, `stdout` / `stderr` (`text`, `timestamp`), `result` (a MIME bundle:
+`text`, `html`, `png`, `json`, `data`, ...; `is_main_result` for the value of a last expression, not for
+`display()` or a matplotlib figure), `error` (`name`, `value`, `traceback`). A client that goes away
+interrupts the running code (SIGINT). Only Python is served; contexts live as long as the server process (a
+restarted server starts fresh interpreters).
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import json
 import logging
@@ -37,6 +37,8 @@ log = logging.getLogger("shoal.server")
 PREFIX = "/_e2b/interpreter"
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 LANGUAGES = ("python", "python3")
+#: one result larger than this (a huge DataFrame's data, a giant image) is dropped with an error record
+MAX_RECORD_BYTES = 64 << 20
 DEFAULT_CONTEXT = "default"
 
 
@@ -49,55 +51,17 @@ class Context:
     cwd: str
     language: str = "python"
     handle: Any = None
-    nonce: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    #: end records still owed by an execution whose client went away (drained before the next one)
-    owed: int = 0
+    #: bytes of the driver's record channel not yet split into lines
+    buf: bytes = b""
+    #: the last lines the driver wrote to its real stderr (why it died, if it did)
+    stderr: bytes = b""
+    #: dropping the rest of a record that was too large
+    skipping: bool = False
 
     def public(self) -> dict[str, Any]:
         """E2B's Context JSON."""
         return {"id": self.id, "language": "python", "cwd": self.cwd}
-
-
-class _Splitter:
-    """Splits one output stream of the driver into text and protocol records."""
-
-    def __init__(self, mark: bytes) -> None:
-        self.mark = mark
-        self.buf = b""
-        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, data: bytes, final: bool = False) -> list[tuple[str, Any]]:
-        """('text', str) and ('record', dict) items, in order."""
-        self.buf += data
-        out: list[tuple[str, Any]] = []
-        while True:
-            i = self.buf.find(self.mark)
-            if i < 0:
-                keep = 0 if final else len(self.mark)
-                cut = max(0, len(self.buf) - keep)
-                text, self.buf = self.buf[:cut], self.buf[cut:]
-                self._text(out, text, final)
-                return out
-            nl = self.buf.find(b"\n", i + len(self.mark))
-            if nl < 0:
-                self._text(out, self.buf[:i], False)
-                self.buf = self.buf[i:]
-                return out
-            text = self.buf[:i]
-            if text.endswith(b"\n"):
-                text = text[:-1]  # the newline the driver writes before each record
-            self._text(out, text, False)
-            try:
-                out.append(("record", json.loads(self.buf[i + len(self.mark):nl])))
-            except ValueError:
-                pass
-            self.buf = self.buf[nl + 1:]
-
-    def _text(self, out: list[tuple[str, Any]], data: bytes, final: bool) -> None:
-        s = self.dec.decode(data, final=final)
-        if s:
-            out.append(("text", s))
 
 
 class Contexts:
@@ -159,7 +123,7 @@ def contexts(st: ServerState) -> Contexts:
 
 async def stop(ctx: Context) -> None:
     """Kill a context's interpreter process (its namespace is lost)."""
-    h, ctx.handle, ctx.owed = ctx.handle, None, 0
+    h, ctx.handle, ctx.buf = ctx.handle, None, b""
     if h is not None:
         with contextlib.suppress(Exception):
             await h.send_signal(signal.SIGKILL)
@@ -170,51 +134,67 @@ async def stop(ctx: Context) -> None:
 async def _ensure(st: ServerState, ctx: Context) -> None:
     if ctx.handle is not None:
         return
-    ctx.nonce = secrets.token_hex(16)
-    ctx.handle = await st.node.stream(ctx.sandbox_id, ["python3", "-u", "-c", SOURCE, ctx.nonce], timeout=None,
-                                      cwd=ctx.cwd or None, stdin=True)
-    ctx.owed = 0
+    # max_output=0: the driver lives as long as the context; its records are streamed, never held
+    ctx.handle = await st.node.stream(ctx.sandbox_id, ["python3", "-c", SOURCE], timeout=None,
+                                      cwd=ctx.cwd or None, stdin=True, max_output=0)
+    ctx.buf, ctx.stderr = b"", b""
 
 
 def _now_ns() -> int:
     return time.time_ns()
 
 
-async def _records(ctx: Context) -> AsyncIterator[tuple[str, Any]]:
-    """Events of the current execution until both streams sent `end`: ('stdout'|'stderr', text) or
-    ('record', dict); ('exit', result) when the interpreter died."""
-    mark = b"\x1e" + ctx.nonce.encode()
-    split = {"stdout": _Splitter(mark), "stderr": _Splitter(mark)}
-    ends = 0
-    async for ev in ctx.handle:
-        if ev.kind == "exit":
+def _line_record(line: bytes) -> dict[str, Any]:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        rec = None
+    if not isinstance(rec, dict) or not isinstance(rec.get("type"), str):
+        # not the driver's: something wrote to the channel itself (it is the exec's stdout)
+        return {"type": "stdout", "text": line.decode("utf-8", "replace") + "\n", "timestamp": _now_ns()}
+    return rec
+
+
+async def _records(ctx: Context, rid: str) -> AsyncIterator[tuple[str, Any]]:
+    """('record', dict) of execution `rid` as the driver sends them, until its `end` record; ('exit', result)
+    when the interpreter died. Records of earlier executions (one whose client went away) are skipped."""
+    while True:
+        while True:
+            nl = ctx.buf.find(b"\n")
+            if nl < 0:
+                break
+            line, ctx.buf = ctx.buf[:nl], ctx.buf[nl + 1:]
+            if ctx.skipping:
+                ctx.skipping = False
+                continue
+            if not line.strip():
+                continue
+            rec = _line_record(line)
+            if rec.get("id", rid) != rid:
+                continue
+            rec.pop("id", None)
+            if rec["type"] == "end":
+                return
+            yield "record", rec
+        if ctx.skipping:
+            ctx.buf = b""
+        elif len(ctx.buf) > MAX_RECORD_BYTES:
+            ctx.buf, ctx.skipping = b"", True
+            yield "record", {"type": "error", "name": "OutputTooLarge",
+                             "value": f"one output of the code was larger than {MAX_RECORD_BYTES} bytes and was "
+                                      "dropped", "traceback": ""}
+        try:
+            ev = await ctx.handle.__anext__()
+        except StopAsyncIteration:
+            ev = None
+        if ev is None or ev.kind == "exit":
             ctx.handle = None
-            for name, s in split.items():
-                for kind, v in s.feed(b"", final=True):
-                    yield (name, v) if kind == "text" else ("record", v)
-            yield "exit", ev.result
+            yield "exit", (ev.result if ev is not None else None)
             return
-        for kind, v in split[ev.kind].feed(ev.data):
-            if kind == "text":
-                yield ev.kind, v
-            elif v.get("type") == "end":
-                ends += 1
-                ctx.owed = max(0, ctx.owed - 1)
-                if ends == 2:
-                    for name, s in split.items():
-                        for k2, v2 in s.feed(b"", final=True):
-                            if k2 == "text":
-                                yield name, v2
-                    return
-            else:
-                yield "record", v
-
-
-async def _drain(ctx: Context) -> None:
-    """Consume what an abandoned execution still prints, up to its end records."""
-    while ctx.owed > 0 and ctx.handle is not None:
-        async for _ in _records(ctx):
-            pass
+        if ev.kind == "stdout":
+            ctx.buf += ev.data
+        else:  # the driver's own stderr: only Python itself writes there (a crash before it took over fd 2)
+            ctx.stderr = (ctx.stderr + ev.data)[-4000:]
 
 
 def _target(request: Request) -> tuple[ServerState, Principal, str]:
@@ -281,37 +261,42 @@ async def execute(request: Request) -> Response:
     async def lines() -> AsyncIterator[bytes]:
         async with ctx.lock:
             finished = False
+            rid = secrets.token_hex(8)
             try:
                 try:
-                    await _drain(ctx)
                     await _ensure(st, ctx)
-                    await ctx.handle.write_stdin((json.dumps({"code": code, "env": env}) + "\n").encode())
-                    ctx.owed = 2
+                    await ctx.handle.write_stdin((json.dumps({"id": rid, "code": code, "env": env}) + "\n").encode())
                 except ShoalError as e:
                     finished = True
                     yield _line({"type": "error", "name": "SandboxError", "value": e.message, "traceback": ""})
                     return
                 try:
-                    async for kind, v in _records(ctx):
-                        if kind in ("stdout", "stderr"):
-                            yield _line({"type": kind, "text": v, "timestamp": _now_ns()})
-                        elif kind == "record":
+                    async for kind, v in _records(ctx, rid):
+                        if kind == "record":
                             yield _line(v)
-                        elif kind == "exit":
-                            yield _line({"type": "error", "name": "InterpreterExited",
-                                         "value": f"the Python process ended (exit code {v.exit_code}); its state "
-                                                  "is lost and the next run starts a fresh one", "traceback": ""})
+                        else:
+                            yield _line(_exited(ctx, v))
                 except ShoalError as e:  # the sandbox died under the interpreter
                     ctx.handle = None
                     yield _line({"type": "error", "name": "SandboxError", "value": e.message, "traceback": ""})
                 finished = True
             finally:
                 if not finished and ctx.handle is not None:
-                    # the client went away mid-run: interrupt the code; the next call drains what is left
+                    # the client went away mid-run: interrupt the code; the next call skips what is left of it
                     with contextlib.suppress(Exception):
                         await ctx.handle.send_signal(signal.SIGINT)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _exited(ctx: Context, result: Any) -> dict[str, Any]:
+    """The error record for an interpreter that died mid-execution."""
+    code = getattr(result, "exit_code", None)
+    why = f"exit code {code}" if code is not None else "its output stream ended"
+    tail = ctx.stderr.decode("utf-8", "replace").strip()
+    return {"type": "error", "name": "InterpreterExited",
+            "value": f"the Python process ended ({why}); its state is lost and the next run starts a fresh one"
+                     + (f": {tail.splitlines()[-1]}" if tail else ""), "traceback": tail}
 
 
 def _line(obj: dict[str, Any]) -> bytes:

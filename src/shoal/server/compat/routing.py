@@ -1,10 +1,12 @@
-"""Send requests meant for a sandbox's E2B daemons (envd on port 49983, the code interpreter on 49999) to the
-routes that serve them, with every sandbox behind the one origin of `shoal serve`.
+"""Send requests meant for a sandbox to what serves them, with every sandbox behind the one origin of
+`shoal serve`: its E2B daemons (envd on port 49983, the code interpreter on 49999) and any other port a
+process in it listens on (shoal.server.compat.ports).
 
 A request is for a sandbox when it carries `E2b-Sandbox-Id` (with `E2b-Sandbox-Port`; clients configured
 with `E2B_SANDBOX_URL`), or when its Host reads `<port>-<sandbox id>.<domain>` (clients configured with
-`E2B_DOMAIN`, behind a TLS proxy with a wildcard certificate). Its path is then moved under the prefix of
-the daemon's router and the sandbox id is put in the ASGI scope. Anything else passes through untouched.
+`E2B_DOMAIN`, behind a TLS proxy with a wildcard certificate). For the daemons, its path is moved under the
+prefix of the daemon's router and the sandbox id is put in the ASGI scope; other ports are proxied. Anything
+else passes through untouched.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from shoal.server.compat import common, e2b_envd, e2b_interpreter
+from shoal.server.compat import common, e2b_envd, e2b_interpreter, ports
 
 #: `<port>-<node>-<26 base32 chars>.<anything>` (ids never contain dots)
 _HOST_RE = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,32}-[a-z2-7]{26})\.")
 _PREFIX = {common.ENVD_PORT: e2b_envd.PREFIX, common.INTERPRETER_PORT: e2b_interpreter.PREFIX}
-_UNKNOWN_PORT = "/_e2b/port"
 
 
 def target(scope: dict[str, Any]) -> tuple[str, int] | None:
@@ -43,7 +44,7 @@ def target(scope: dict[str, Any]) -> tuple[str, int] | None:
 
 
 class CompatRouter:
-    """ASGI middleware: route sandbox-addressed requests to the envd / interpreter routers."""
+    """ASGI middleware: route sandbox-addressed requests to the envd / interpreter routers, or to the port."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -53,7 +54,10 @@ class CompatRouter:
             hit = target(scope)
             if hit is not None:
                 sid, port = hit
-                prefix = _PREFIX.get(port, _UNKNOWN_PORT)
+                prefix = _PREFIX.get(port)
+                if prefix is None:
+                    await ports.serve(scope["app"].state.shoal, scope, receive, send, sid, port)
+                    return
                 path = scope.get("path") or "/"
                 scope = dict(scope, path=prefix + path, raw_path=(prefix + path).encode())
                 scope[e2b_envd.SCOPE_SANDBOX] = sid

@@ -39,6 +39,7 @@ from shoal.errors import (
     ShoalError,
     Unauthorized,
 )
+from shoal.limits import DEFAULT_MAX_OUTPUT_BYTES, output_limit
 from shoal.server.compat import common
 from shoal.server.deps import ServerState, state_of
 
@@ -172,6 +173,9 @@ class Session:
     running: Any = None
     output: list[bytes] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: `$?` of the next command, and the status of an empty one (SWE-ReX's bash: an empty line leaves `$?` as
+    #: it was; see _run for what it was)
+    last_exit: int = 0
 
 
 def _sessions(st: ServerState) -> dict[tuple[str, str], Session]:
@@ -274,6 +278,7 @@ async def _interrupt(st: ServerState, sandbox_id: str, sess: Session, action: Ru
             raise Transfer("pexpect.exceptions.TIMEOUT", "Failed to interrupt session") from None
     out = _text(b"".join(sess.output)).strip()
     sess.output.clear()
+    sess.last_exit = 130  # bash's status for a command ended by Ctrl-C
     return {"output": out, "exit_code": 0, "failure_reason": "", "expect_string": PS1, "session_type": "bash"}
 
 
@@ -299,13 +304,14 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
     if sess.running is not None:
         raise Transfer(EXC + "SwerexException", f"session {sess.name!r} is still running the command that matched "
                                                 "an expect string: interrupt it (BashInterruptAction) first")
+    if nothing_to_run(action.command):
+        # SWE-ReX sends these to its shell as they are: bash prints its prompt, runs nothing and `$?` stays
+        # (SWE-agent sends '' after every tool reset); a `{ }` group around nothing would be a syntax error
+        return _finish_run(action, "", sess.last_exit)
     c = await st.node.client(sandbox_id)
-    rec = st.node.record(sandbox_id)
-    cap = int((rec.spec or {}).get("max_output_bytes", 1 << 20))
-    # `{ ...\n} 2>&1` runs in the shell itself (state carries over) with stderr folded into stdout, as a
-    # terminal would show it
-    h = await c.shell_run_stream(sess.shell_id, "{ " + action.command + "\n} 2>&1", timeout=action.timeout,
-                                 max_output=cap)
+    cap = _cap(st, sandbox_id)
+    h = await c.shell_run_stream(sess.shell_id, wrap_command(action.command, sess.last_exit),
+                                 timeout=action.timeout, max_output=cap)
     buf = bytearray()
     result = None
     expect = [x for x in action.expect if x]
@@ -325,14 +331,31 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
     if result is None:
         raise SandboxError("the command's stream ended without an exit status")
     output = _text(bytes(buf))
+    # SWE-ReX reads a command's status by running `echo ...$?...` after it, unless check="ignore": so `$?` is
+    # the command's status only after an ignored one, and 0 otherwise
+    sess.last_exit = int(result.exit_code) if action.check == "ignore" else 0
     if result.timed_out:
+        sess.last_exit = 130  # what bash reports for a command ended by Ctrl-C
+        if not getattr(result, "alive", True):
+            _sessions(st).pop((sandbox_id, sess.name), None)
+            raise Transfer(EXC + "CommandTimeoutError",
+                           f"timeout after {action.timeout} seconds while running command {action.command!r}; "
+                           "the command looped inside the shell itself (no process to interrupt), so the "
+                           "session's shell had to be killed: create the session again")
         raise Transfer(EXC + "CommandTimeoutError",
                        f"timeout after {action.timeout} seconds while running command {action.command!r}")
     if not getattr(result, "alive", True):
         _sessions(st).pop((sandbox_id, sess.name), None)  # the command ended the shell (exit, exec)
     if result.exit_code == 2 and "syntax error" in output:
         await _check_syntax(st, sandbox_id, action.command)
-    exit_code = None if action.check == "ignore" else int(result.exit_code)
+    if result.truncated:
+        output += cut_notice(cap, "output")
+    return _finish_run(action, output, int(result.exit_code))
+
+
+def _finish_run(action: RunAction, output: str, status: int) -> dict[str, Any]:
+    """The observation of a command that ran to its end (SWE-ReX's `check` modes applied)."""
+    exit_code = None if action.check == "ignore" else status
     if action.check == "raise" and exit_code != 0:
         msg = f"Command {action.command!r} failed with exit code {exit_code}. Here is the output:\n{output!r}"
         if action.error_msg:
@@ -340,6 +363,36 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
         raise Transfer(EXC + "NonZeroExitCodeError", msg)
     return {"output": output, "exit_code": exit_code, "failure_reason": "", "expect_string": PS1,
             "session_type": "bash"}
+
+
+def nothing_to_run(command: str) -> bool:
+    """True for a command of blank and comment lines only (bash runs nothing; SWE-ReX's own rule, widened to
+    blank lines between comments)."""
+    return all(not line.strip() or line.lstrip().startswith("#") for line in command.splitlines())
+
+
+def wrap_command(command: str, last_exit: int) -> str:
+    """`command` as the session's shell runs it: in the shell itself (state carries over) as one `{ ...\n}`
+    group, so bash parses all of it before running any (a syntax error runs nothing, as SWE-ReX's `bash -n`
+    check ensures), stderr folded into stdout as a terminal shows it; `$?` is what SWE-ReX's shell would have
+    there (`last_exit`; a subshell's exit sets it, only when it is not 0)."""
+    prefix = f"(exit {last_exit}); " if last_exit else ""
+    return prefix + "{ " + command + "\n} 2>&1"
+
+
+def cut_notice(cap: int, what: str) -> str:
+    """The line that ends output cut at `cap` bytes, so neither a model nor a person mistakes it for all of it."""
+    return (f"\n[shoal: {what} cut at {cap} bytes, the sandbox's max_output_bytes; create the sandbox with a "
+            "larger max_output_bytes (0: an eighth of its memory, at most 256 MiB) to keep more]\n")
+
+
+def _cap(st: ServerState, sandbox_id: str) -> int:
+    """Bytes of output kept per stream for one command: the sandbox's max_output_bytes (0: as much as its memory
+    allows, see limits.output_limit)."""
+    rec = st.node.record(sandbox_id)
+    spec = rec.spec or {}
+    cap = int(spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
+    return cap or output_limit(int(spec.get("memory_mb") or 1024))
 
 
 async def _check_syntax(st: ServerState, sandbox_id: str, command: str) -> None:
@@ -409,11 +462,18 @@ async def execute(sandbox_id: str, request: Request) -> Response:
             raise Transfer("builtins.ValueError", "command is empty")
         if cmd.merge_output_streams:
             argv = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *argv]
+        cap = _cap(st, sandbox_id)
         async with common.slot(st, who):
-            r = await st.node.exec(sandbox_id, argv, timeout=cmd.timeout, cwd=cmd.cwd, env=cmd.env)
+            r = await st.node.exec(sandbox_id, argv, timeout=cmd.timeout, cwd=cmd.cwd, env=cmd.env, max_output=cap)
         if r.timed_out:
             raise Transfer(EXC + "CommandTimeoutError", f"Timeout ({cmd.timeout}s) exceeded while running command")
-        out = {"stdout": _text(r.stdout), "stderr": _text(r.stderr), "exit_code": int(r.exit_code)}
+        out: dict[str, Any] = {"stdout": _text(r.stdout), "stderr": _text(r.stderr), "exit_code": int(r.exit_code)}
+        # the agent keeps `cap` bytes of each stream: say which one was cut, in the text itself (what the client
+        # hands its caller) and in fields a raw HTTP caller can test
+        cut = [k for k, raw in (("stdout", r.stdout), ("stderr", r.stderr)) if r.truncated and len(raw) >= cap]
+        for k in cut:
+            out[k] += cut_notice(cap, k)
+        out["stdout_truncated"], out["stderr_truncated"] = "stdout" in cut, "stderr" in cut
         if cmd.check and r.exit_code != 0:
             msg = (f"Command {cmd.command!r} failed with exit code {r.exit_code}. "
                    f"Stdout:\n{out['stdout']!r}\nStderr:\n{out['stderr']!r}")

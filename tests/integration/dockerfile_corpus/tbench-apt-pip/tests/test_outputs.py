@@ -1,0 +1,5 @@
+import six
+
+
+def test_ok():
+    assert six.PY3
