@@ -53,6 +53,26 @@ def find_chunkd_binary() -> Path:
                              "(it needs libssl-dev and libzstd-dev)")
 
 
+def erofs_sources() -> list[str]:
+    """The file behind every EROFS mount of this host: its source, or a loop device's backing file."""
+    out = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            parts = line.decode("utf-8", "surrogateescape").split()
+            try:
+                sep = parts.index("-")
+            except ValueError:
+                continue
+            if parts[sep + 1] != "erofs":
+                continue
+            src = syscalls._unescape(parts[sep + 2])
+            if src.startswith("/dev/loop"):
+                with contextlib.suppress(OSError):
+                    src = Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip()
+            out.append(src.removesuffix(" (deleted)"))
+    return out
+
+
 def store_key(store_root: Path) -> str:
     """12 hex naming a store within a home."""
     return hashlib.sha256(os.path.realpath(store_root).encode()).hexdigest()[:12]
@@ -219,8 +239,6 @@ class ChunkDaemon:
 
     def mounted_files(self) -> set[str]:
         """Layer hexes whose file of this reader is mounted (file-backed, or through a loop device)."""
-        from shoal.images.gc import erofs_sources
-
         prefix = str(self.mount) + "/"
         return {os.path.basename(src)[:64] for src in erofs_sources() if src.startswith(prefix)}
 

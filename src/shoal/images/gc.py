@@ -35,6 +35,7 @@ from typing import Any
 from shoal.config import Paths
 from shoal.host import syscalls
 from shoal.images import leases
+from shoal.images.chunkd import erofs_sources
 from shoal.images.store import ImageStore
 
 DEFAULT_GRACE_S = 3600.0
@@ -67,26 +68,6 @@ class GcReport:
 
 def _host_prefix() -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64] or "host"
-
-
-def erofs_sources() -> list[str]:
-    """The file behind every EROFS mount of this host: its source, or a loop device's backing file."""
-    out = []
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            parts = line.decode("utf-8", "surrogateescape").split()
-            try:
-                sep = parts.index("-")
-            except ValueError:
-                continue
-            if parts[sep + 1] != "erofs":
-                continue
-            src = syscalls._unescape(parts[sep + 2])
-            if src.startswith("/dev/loop"):
-                with contextlib.suppress(OSError):
-                    src = Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip()
-            out.append(src.removesuffix(" (deleted)"))
-    return out
 
 
 def _mounted_layer_files(store: ImageStore) -> set[str]:

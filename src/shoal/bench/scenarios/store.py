@@ -715,5 +715,5 @@ async def run(ctx: BenchContext, p: StoreParams) -> ScenarioResult:
     return res
 
 
-SCENARIO = Scenario("store", "chunked verified layer store on MooseFS: bytes fetched, cold/warm start, image family, "
-                    "DSec burst, corrupt chunk — beside Docker", run, StoreParams, default_run=False)
+SCENARIO = Scenario("store", "chunked verified store on MooseFS: fetch, cold/warm start, family, burst, corruption",
+                    run, StoreParams, default_run=False)
