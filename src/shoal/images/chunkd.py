@@ -223,7 +223,10 @@ class ChunkDaemon:
         argv = [str(exe), "--mount", str(self.mount), "--tables", str(self.tables), "--store", str(self.store_root),
                 "--cache", str(self.cache), "--cache-mb", str(self.cache_mb), "--ctl", str(self.ctl_path),
                 "--events", str(self.events_path), "--pidfile", str(self.pidfile),
-                "--readahead-kb", str(self.readahead_kb)]
+                "--readahead-kb", str(self.readahead_kb),
+                # a first read waits for the store: enough request threads that cached reads never queue
+                # behind fetches, and fetch workers to prefetch a start record in parallel
+                "--threads", "16", "--fetchers", "16"]
         if self.trace is not None:  # measurements only: every read's layer, offset and size
             argv += ["--trace", str(self.trace)]
         with open(self.logfile, "ab") as logf:

@@ -100,7 +100,7 @@ class LayerMounts:
         self.prefetch_enabled = True
         #: "chunks" (the default: through the node's reader) or "whole-file": mount a layer's whole file
         #: straight from the store, unchecked, as shoal did before chunked layers (benchmarks' baseline only;
-        #: the layer must still have its whole file: a converted one keeps it)
+        #: layers without a whole file still go through the reader)
         self.source = "chunks"
         #: a long-running node keeps its reader between sandboxes (it stops it in Node.stop when unused);
         #: otherwise the reader stops with the release of the last layer in use
@@ -233,7 +233,7 @@ class LayerMounts:
 
     def _check_and_mount(self, layer: Layer, mp: Path) -> None:
         """Mount a layer through the node's reader; typed errors without host paths."""
-        if self.source == "whole-file":
+        if self.source == "whole-file" and layer.path.exists():
             _mount_erofs(layer.path, mp, self.mode, self.directio)
             return
         src = self._prepare(layer)
