@@ -109,6 +109,7 @@ class FakeBackend(Backend):
     """Sandboxes as host directories and plain processes (no isolation; unit tests only)."""
 
     name = "fake"
+    idle_close = True
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.SNAPSHOT_FILES})
     instead = {
         Capability.NETWORK: "the fake backend has no network of its own; use backend='container'",
@@ -125,6 +126,11 @@ class FakeBackend(Backend):
         #: that create fail (the ordinal counts creates of this backend object, from 0)
         self.before_create: Any = None
         self.creates = 0
+
+    @staticmethod
+    def string_shell(rec: SandboxRecord) -> str:
+        """Commands run host programs here (only paths are mapped): the host's bash runs string commands."""
+        return "/bin/bash"
 
     @staticmethod
     def root(rec: SandboxRecord) -> Path:

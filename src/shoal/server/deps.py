@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from shoal.errors import Forbidden, ImageNotFound, InvalidRequest, SandboxNotFound, Unauthorized
+from shoal.errors import Forbidden, InvalidRequest, SandboxNotFound, Unauthorized
 from shoal.images.refs import parse_ref
+from shoal.images.visibility import PROJECT_IMAGES, foreign, project_prefix, scoped_ref
 from shoal.models import SandboxInfo
 from shoal.node.records import SandboxRecord
 from shoal.server.tokens import DEFAULT_PROJECT, Principal
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 
 #: the principal of requests when the server runs without tokens (loopback or --no-auth)
 ANONYMOUS = Principal(project=DEFAULT_PROJECT, admin=True, token_id="-")
-#: image names under this prefix belong to one project each: projects/<project>/<name>
-PROJECT_IMAGES = "projects/"
 
 bearer = HTTPBearer(auto_error=False, description="an API token from `shoal token create` "
                                                    "(not needed when the server runs without tokens)")
@@ -135,21 +134,18 @@ class Namespace:
     """
 
     def __init__(self, who: Principal) -> None:
-        self.prefix = None if who.admin else f"{PROJECT_IMAGES}{who.project}/"
+        self.prefix = None if who.admin else project_prefix(who.project)
         self.project = who.project
+        #: whose view of the store this is (None: the operator's, the store as it is)
+        self.scope = None if who.admin else who.project
 
     def _foreign(self, name: str) -> bool:
-        return self.prefix is not None and name.startswith(PROJECT_IMAGES) and not name.startswith(self.prefix)
+        return foreign(name, self.scope)
 
     def for_read(self, st: ServerState, ref: str) -> str:
-        """The store reference `ref` means for this project (own image first, then shared)."""
-        r = parse_ref(ref)
-        if self.prefix is None or r.name.startswith(self.prefix):
-            return ref
-        if self._foreign(r.name):
-            raise ImageNotFound(f"image {ref} not found")
-        mine = self.prefix + ref
-        return mine if st.node.store.exists(mine) else ref
+        """The store reference `ref` means for this project: own image first, then shared; a digest only as
+        an image of one of those names (shoal.images.visibility, the one place that rule lives)."""
+        return scoped_ref(st.node.store, ref, self.scope)
 
     def for_write(self, ref: str) -> str:
         """The store name a new image of this project gets."""
