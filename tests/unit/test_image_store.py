@@ -136,16 +136,20 @@ def _writer(root: str, src: str, n: int, q: multiprocessing.Queue) -> None:
     q.put(out)
 
 
-def _checker(root: str, stop_at: float, q: multiprocessing.Queue) -> None:
-    # whenever a layer looks complete (its record present), its table and every chunk must already be whole
+def _checker(root: str, done: str, q: multiprocessing.Queue) -> None:
+    # whenever a layer looks complete (its record present), its table and every chunk must already be whole;
+    # it watches until the writers are done, then looks once more
     st = ImageStore(Path(root))
     bad = []
     seen = 0
-    while time.time() < stop_at:
+    last = False
+    while not last:
+        last = Path(done).exists()
         for h in st.chunks.list_hexes():
             seen += 1
             if st.chunks.verify(h):
                 bad.append(h)
+        time.sleep(0.005)
     q.put((seen, bad))
 
 
@@ -154,11 +158,14 @@ def test_concurrent_builders_of_the_same_layer_never_corrupt_it(store: ImageStor
     ctx = multiprocessing.get_context("spawn")
     q: multiprocessing.Queue = ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(str(store.root), str(src), 8, q)) for _ in range(2)]
-    checker = ctx.Process(target=_checker, args=(str(store.root), time.time() + 6, q))
+    done = tmp_path / "writers-done"
+    checker = ctx.Process(target=_checker, args=(str(store.root), str(done), q))
     checker.start()
     for p in procs:
         p.start()
-    results = [q.get(timeout=120) for _ in range(3)]
+    results = [q.get(timeout=300) for _ in range(2)]
+    done.touch()
+    results.append(q.get(timeout=300))
     for p in [*procs, checker]:
         p.join(timeout=60)
         assert p.exitcode == 0
