@@ -451,6 +451,9 @@ async def docker_burst(ctx: BenchContext, reg: str, base_ref: str, trees: list[P
     """Docker pulls each image and runs `per_image` containers of it, all at once (one engine: one node);
     images are built and pushed first (not timed). Stops starting new pulls when the budget runs out."""
     assert ctx.docker is not None
+    # the family run dropped the base from the engine (its pulls had to fetch it): bring it back to build on
+    await asyncio.to_thread(_docker, ctx, "pull", f"{reg}/shoal-bench/base:1")
+    await asyncio.to_thread(_docker, ctx, "tag", f"{reg}/shoal-bench/base:1", base_ref)
     refs = []
     for i, tree in enumerate(trees):
         ref = f"{reg}/shoal-bench/burst{i}:1"
@@ -523,13 +526,18 @@ async def corrupt_chunk_run(store: ImageStore, ref: str, tree: Path, rel: str) -
                 ev = evs[0]
                 break
             await asyncio.sleep(0.01)
-        # every other file of the image's own layer reads back intact
+        # every other file of the image's own layer: its exact bytes, or EIO when it shares the bad chunk;
+        # never other bytes
         others = sorted(x for x in (tree / "opt").rglob("*") if x.is_file() and str(x.relative_to(tree)) != rel)
-        intact = 0
+        intact = eio = wrong = 0
         for f in others:
             rr = await node.exec(info.id, ["md5sum", f"/{f.relative_to(tree)}"])
             if rr.exit_code == 0 and rr.stdout.split()[0].decode() == hashlib.md5(f.read_bytes()).hexdigest():
                 intact += 1
+            elif rr.exit_code != 0 and b"Input/output error" in rr.stderr:
+                eio += 1
+            else:
+                wrong += 1
         cached = any(x.name == hexd for x in node.layer_mounts.daemon.cache.rglob("*"))
         st = _reader_stats(node)
         await node.close(info.id)
@@ -542,6 +550,7 @@ async def corrupt_chunk_run(store: ImageStore, ref: str, tree: Path, rel: str) -
             "read_to_event_ms": (ev["t"] - t_read) * 1000 if ev else None,
             "read_to_detect_ms": (ev["read_at"] - t_read) * 1000 if ev and ev.get("read_at") else None,
             "read_ms": (t_done - t_read) * 1000, "event": ev, "other_files": len(others), "intact": intact,
+            "other_eio": eio, "other_wrong": wrong,
             "bad_chunk_cached": cached, "eio": st.get("eio"), "new_create_refused": refused, "chunk": hexd}
 
 
@@ -702,9 +711,10 @@ async def run(ctx: BenchContext, p: StoreParams) -> ScenarioResult:
             res.data["corrupt"] = cc
             res.add(Metric("corrupt chunk: from the read to the node's image_corrupt event",
                            round(cc["read_to_event_ms"], 1) if cc["read_to_event_ms"] is not None else None, None, "ms",
-                           note=f"read failed with exit {cc['exit_code']} ({cc['stderr'].strip()[:60]}), "
-                                f"{cc['stdout_bytes']} bytes served; {cc['intact']}/{cc['other_files']} other files "
-                                f"intact; bad chunk cached: {cc['bad_chunk_cached']}; new create refused: "
+                           note=f"detected {cc['read_to_detect_ms']:.0f} ms after the exec began; the read failed "
+                                f"(exit {cc['exit_code']}, EIO), {cc['stdout_bytes']} bytes served; other files: "
+                                f"{cc['intact']} exact, {cc['other_eio']} EIO (share the chunk), {cc['other_wrong']} "
+                                f"wrong; bad chunk cached: {cc['bad_chunk_cached']}; new create refused: "
                                 f"{cc['new_create_refused']}"))
         res.data["load_after"] = os.getloadavg()
     finally:
