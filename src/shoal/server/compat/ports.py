@@ -147,12 +147,9 @@ class _RelayBackend(httpcore.AsyncNetworkBackend):
 
 def pool(st: ServerState) -> httpcore.AsyncConnectionPool:
     """This server's pool of relayed connections (keep-alive per sandbox and port)."""
-    p = getattr(st, "_e2b_port_pool", None)
-    if p is None:
-        p = httpcore.AsyncConnectionPool(network_backend=_RelayBackend(st), max_connections=1024,
-                                         max_keepalive_connections=256, keepalive_expiry=5.0, retries=0)
-        st._e2b_port_pool = p  # type: ignore[attr-defined]
-    return p
+    return common.server_local(st, "port_pool", lambda: httpcore.AsyncConnectionPool(
+        network_backend=_RelayBackend(st), max_connections=1024, max_keepalive_connections=256,
+        keepalive_expiry=5.0, retries=0))
 
 
 async def close_pool(st: ServerState) -> None:
