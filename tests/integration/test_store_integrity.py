@@ -78,9 +78,10 @@ def _events(node: object, kind: str = "image_corrupt") -> list[dict]:
 
 
 def _verify_cli(store_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, SHOAL_STORE=str(store_root), SHOAL_HOME=tempfile.mkdtemp(prefix="shv-", dir="/tmp"))
-    return subprocess.run([sys.executable, "-m", "shoal.cli.main", "image", "verify", "--json", *args],
-                          env=env, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="shv-", dir="/tmp") as home:
+        env = dict(os.environ, SHOAL_STORE=str(store_root), SHOAL_HOME=home)
+        return subprocess.run([sys.executable, "-m", "shoal.cli.main", "image", "verify", "--json", *args],
+                              env=env, capture_output=True, text=True, timeout=300)
 
 
 async def test_a_bad_chunk_fails_the_read_with_eio_logs_an_event_and_blocks_new_creates_until_repaired(
@@ -207,9 +208,11 @@ def test_chunks_are_checked_once_per_reader_and_the_cache_outlives_it(tmp_path: 
     img, _tree, z = _image_with_known_z(store, "bb:cached", tmp_path, filler_mib=1)
     layer = img.layers[0]
     home = Path(tempfile.mkdtemp(prefix="shv-", dir="/tmp"))
+    lms: list[LayerMounts] = []
     try:
         paths = Paths(home=home, store=store.root)
         lm = LayerMounts(paths)
+        lms.append(lm)
         lm.keep_reader = True
         lm.daemon.readahead_kb = 0  # only what is read is fetched: the two rounds compare exactly
         (mp,) = lm.acquire([layer], "sb")
@@ -226,6 +229,7 @@ def test_chunks_are_checked_once_per_reader_and_the_cache_outlives_it(tmp_path: 
         os.chmod(victim, 0o644)
         victim.write_bytes(b"\0" * victim.stat().st_size)
         lm2 = LayerMounts(paths)  # a restarted node
+        lms.append(lm2)
         lm2.daemon.readahead_kb = 0
         (mp,) = lm2.acquire([layer], "sb2")
         assert (mp / "data" / "z").read_bytes() == z  # the same reads as before
@@ -237,6 +241,9 @@ def test_chunks_are_checked_once_per_reader_and_the_cache_outlives_it(tmp_path: 
     finally:
         from shoal.node.teardown import stop_readers
 
+        for m in lms:  # a failed assertion must not leave a mount (or the reader under it) behind
+            with contextlib.suppress(Exception):
+                m.reconcile(set())
         stop_readers(Paths(home=home, store=store.root))
         shutil.rmtree(home, ignore_errors=True)
 
