@@ -220,7 +220,7 @@ while True:
 
 #: an HTTP/1.1 (keep-alive) server that describes each POST it gets
 HTTP_ECHO = r'''
-import hashlib, json, sys
+import hashlib, json, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -236,6 +236,17 @@ class H(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(out)))
         self.end_headers()
         self.wfile.write(out)
+    def do_GET(self):  # /stream: an endless response, like server-sent events; notes when its client left
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        try:
+            while True:
+                self.wfile.write(b"data: tick\n\n")
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            open("/tmp/stream-closed", "w").close()
     def log_message(self, *a):
         pass
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
@@ -254,6 +265,8 @@ def test_ports_http_through_host_and_header_routing(e2b_env: dict) -> None:
 
     import httpx
     from e2b import Sandbox
+
+    from tests.waiting import wait_for
 
     url = e2b_env["url"]
     sb = Sandbox.create(timeout=300)  # no network (shoal's default for E2B): the agent connects from inside
@@ -287,6 +300,16 @@ def test_ports_http_through_host_and_header_routing(e2b_env: dict) -> None:
             got = r.json()
             assert got == {"len": len(body), "sha256": hashlib.sha256(body).hexdigest(), "path": f"/up?i={i}",
                            "host": sb.get_host(8001), "x-test": "yes", "leaked": []}
+
+    # an endless response streams, and ends in the sandbox when its client goes away
+    with httpx.stream("GET", f"{url}/stream", headers={"Host": sb.get_host(8001), **token}, timeout=60) as r:
+        assert r.headers["content-type"] == "text/event-stream"
+        ticks = 0
+        for line in r.iter_lines():
+            ticks += line == "data: tick"
+            if ticks == 3:
+                break
+    wait_for(lambda: sb.files.exists("/tmp/stream-closed"), 60, what="the server in the sandbox to see its client go")
 
     # E2B's answers for a closed port and without the token
     r = httpx.get(f"{url}/", headers={"Host": sb.get_host(8999), **token})

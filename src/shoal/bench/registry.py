@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "compat": "shoal.bench.scenarios.compat",
     "cluster": "shoal.bench.scenarios.cluster",
     "store": "shoal.bench.scenarios.store",
+    "chunkread": "shoal.bench.scenarios.chunkread",
     "build": "shoal.bench.scenarios.build",
     "pull": "shoal.bench.scenarios.pull",
     "gvisor": "shoal.bench.scenarios.gvisor",

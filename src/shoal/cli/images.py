@@ -613,39 +613,59 @@ def image_gc(
 def image_verify(
     names: Annotated[list[str] | None,
                      typer.Argument(help="images to check (default: every layer in the store)")] = None,
-    remove_corrupt: Annotated[bool, typer.Option("--remove-corrupt", help="delete corrupt layers so that a "
-                                                 "rebuild or re-import stores them afresh")] = False,
+    remove_corrupt: Annotated[bool, typer.Option("--remove-corrupt", help="delete damaged chunks and the layers "
+                                                 "that use them, so that a rebuild or re-import stores them "
+                                                 "afresh")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Hash layers against their digests; list corrupt ones and the images that use them (exit 1 if any)."""
+    """Check every chunk of the layers against its digest (each shared chunk once) and the marks nodes left
+    when a chunk failed as they read it; list corrupt layers and the images that use them (exit 1 if any).
+    A marked layer that checks clean again (a rebuild or re-import rewrote the chunk) is unmarked."""
     from shoal.errors import ShoalError
-    from shoal.images.integrity import hash_file
+    from shoal.images import corruption
 
     store = _store()
     try:
-        layers = ({lay.digest: lay for n in names for lay in store.resolve(n).layers}.values() if names
-                  else store.list_layers())
+        layers = list({lay.digest: lay for n in names for lay in store.resolve(n).layers}.values() if names
+                      else store.list_layers())
     except ShoalError as e:
         _fail(e.message)
     users: dict[str, list[str]] = {}
     for img in store.list_images():
         for lay in img.layers:
             users.setdefault(lay.digest, []).append(img.ref)
+    marks = corruption.read_marks(store.root)
+    checked: dict[str, bool] = {}
     bad = []
+    cleared = []
     for lay in layers:
-        try:
-            ok = lay.path.stat().st_size == lay.size and hash_file(lay.path) == lay.hex
-        except OSError:
-            ok = False
-        if not ok:
-            bad.append({"layer": lay.digest, "images": sorted(users.get(lay.digest, []))})
+        problems: list[tuple[str, str]] = []
+        if lay.chunked:
+            problems = store.chunks.verify(lay.hex, checked)
+        elif not store.verify_layer(lay.digest):  # a whole-file layer not converted yet: hash the file
+            problems = [("file", "corrupt")]
+        if not problems and lay.hex in marks:
+            corruption.clear(store.root, lay.hex)
+            cleared.append(lay.digest)
+        if problems:
+            bad.append({"layer": lay.digest, "images": sorted(users.get(lay.digest, [])),
+                        "chunks": [{"chunk": c if c in ("table", "file") else f"sha256:{c}", "problem": why}
+                                   for c, why in problems]})
             if remove_corrupt:
+                for c, why in problems:
+                    if len(c) == 64 and why == "corrupt":
+                        store.chunks.chunk_path(c).unlink(missing_ok=True)
                 store.remove_layer(lay.digest)
     if as_json:
-        print(json.dumps({"checked": len(list(layers)), "corrupt": bad, "removed": remove_corrupt}, indent=1))
+        print(json.dumps({"checked": len(layers), "chunks_checked": len(checked), "corrupt": bad,
+                          "unmarked": cleared, "removed": remove_corrupt}, indent=1))
     else:
-        console.print(f"checked {len(list(layers))} layers: {len(bad)} corrupt")
+        console.print(f"checked {len(layers)} layers ({len(checked)} chunks): {len(bad)} corrupt")
         for b in bad:
             what = "removed" if remove_corrupt else "corrupt"
-            console.print(f"  {what} {b['layer']}  used by: {', '.join(b['images']) or '-'}")
+            first = b["chunks"][0]
+            console.print(f"  {what} {b['layer']}  ({len(b['chunks'])} bad: {first['chunk']} {first['problem']})  "
+                          f"used by: {', '.join(b['images']) or '-'}")
+        for d in cleared:
+            console.print(f"  repaired {d}: its chunks check clean again, the mark is gone")
     raise typer.Exit(1 if bad else 0)
