@@ -126,8 +126,9 @@ class BackendUnavailable(ShoalError):
 
 
 class ImageCorrupt(ShoalError):
-    """A layer's bytes no longer hash to its digest (or its filesystem does not mount): it is never mounted.
-    An operator problem, not bad input: rebuild or re-import the image (`shoal image verify`)."""
+    """A layer's bytes no longer hash to its digest — a chunk failed its check when a node read it, or its
+    filesystem does not mount: nothing of it is served. An operator problem, not bad input: rebuild or
+    re-import the image (`shoal image verify`)."""
 
     http_status = 500
     code = "image_corrupt"
@@ -168,6 +169,13 @@ class AgentProtocolError(SandboxError):
     """The in-sandbox agent answered something the protocol does not allow."""
 
     code = "agent_protocol_error"
+
+
+class NoShell(InvalidRequest):
+    """A command given as a string needs a shell, and the sandbox's image has neither /bin/bash nor /bin/sh
+    (a distroless or scratch image): pass the command as an argv list instead."""
+
+    code = "no_shell"
 
 
 class PortNotOpen(SandboxError):
@@ -242,6 +250,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         NodeUnavailable,
         AgentProtocolError,
         ImageBuildError,
+        NoShell,
         ImageCorrupt,
         StoreUnavailable,
         Unauthorized,

@@ -276,6 +276,54 @@ RUN --mount=type=bind,from=tools,source=/tools,target=/t cp /t/t.txt /from-stage
         shutil.rmtree(shoal_home / "build-cache")
 
 
+async def test_independent_stages_build_side_by_side(node, store: ImageStore, tmp_path: Path) -> None:
+    """Two stages that need each other's progress (through a shared cache mount) finish only when they run
+    at the same time; a stage nobody needs is never built."""
+    wait = ("echo {me} > /c/{me}; for i in $(seq 600); do [ -f /c/{other} ] && exit 0; sleep 0.1; done; "
+            "echo 'the other stage never ran beside this one'; exit 1")
+    ctx = _write(tmp_path / "ctx", {"Dockerfile": f"""FROM base AS a
+RUN --mount=type=cache,id=side-by-side-{os.getpid()},target=/c {wait.format(me="a", other="b")}
+RUN echo a > /a
+FROM base AS b
+RUN --mount=type=cache,id=side-by-side-{os.getpid()},target=/c {wait.format(me="b", other="a")}
+RUN echo b > /b
+FROM base AS never
+RUN exit 1
+FROM base
+COPY --from=a /a /a
+COPY --from=b /b /b
+"""})
+    res = await _build(node, ctx, "df-par:1")
+    assert res.stages == ["a", "b", "3"]
+    t = _tree(store, "df-par:1", "/a", "/b")
+    assert t["/a"][3] == b"a\n" and t["/b"][3] == b"b\n"
+
+
+async def test_scratch_images_without_tar(node, store: ImageStore, tmp_path: Path) -> None:
+    """FROM scratch + COPY --from=builder (Go-style), a WORKDIR, and COPY --from out of that tar-less stage."""
+    ctx = _write(tmp_path / "ctx", {"Dockerfile": """FROM base AS build
+RUN mkdir -p /out/bin && printf 'binary' > /out/bin/app && chmod 750 /out/bin/app && echo cfg > /out/cfg
+FROM scratch AS final
+COPY --from=build /out/ /
+COPY --from=build --chown=1000:1000 /out/cfg /etc/app/app.cfg
+WORKDIR /data
+ENTRYPOINT ["/bin/app"]
+FROM scratch
+COPY --from=final /etc/app /app-etc
+""", "x": "x"})
+    res = await _build(node, ctx, "df-scratch:final", target="final")
+    t = _tree(store, "df-scratch:final", "/bin/app", "/cfg", "/etc/app/app.cfg", "/etc/app", "/data", "/proc",
+              "/.shoal")
+    assert t["/bin/app"] == ("0o750", 0, 0, b"binary") and t["/cfg"][3] == b"cfg\n"
+    assert t["/etc/app/app.cfg"][:3] == ("0o644", 1000, 1000) and t["/etc/app"][:3] == ("0o755", 1000, 1000)
+    assert t["/data"] == ("0o755", 0, 0, None)
+    assert t["/proc"] is None and t["/.shoal"] is None  # no runtime mountpoints in the layers
+    assert res.image.config.entrypoint == ["/bin/app"] and res.image.config.workdir == "/data"
+    await _build(node, ctx, "df-scratch:last")
+    assert _tree(store, "df-scratch:last", "/app-etc/app.cfg")["/app-etc/app.cfg"][:4] == ("0o644", 1000, 1000,
+                                                                                          b"cfg\n")
+
+
 @pytest.mark.parametrize(("text", "err", "words"), [
     ("FROM nosuchimage:1\n", ImageNotFound, "nosuchimage:1"),
     ("FROM base\nCOPY missing.txt /x\n", InvalidRequest, "not found in the build context"),

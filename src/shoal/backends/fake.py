@@ -109,6 +109,7 @@ class FakeBackend(Backend):
     """Sandboxes as host directories and plain processes (no isolation; unit tests only)."""
 
     name = "fake"
+    idle_close = True
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.SNAPSHOT_FILES})
     instead = {
         Capability.NETWORK: "the fake backend has no network of its own; use backend='container'",
@@ -125,6 +126,11 @@ class FakeBackend(Backend):
         #: that create fail (the ordinal counts creates of this backend object, from 0)
         self.before_create: Any = None
         self.creates = 0
+
+    @staticmethod
+    def string_shell(rec: SandboxRecord) -> str:
+        """Commands run host programs here (only paths are mapped): the host's bash runs string commands."""
+        return "/bin/bash"
 
     @staticmethod
     def root(rec: SandboxRecord) -> Path:
@@ -146,9 +152,17 @@ class FakeBackend(Backend):
             root = self.root(rec)
             root.mkdir()
             for layer in image.layers:
-                r = await asyncio.to_thread(
-                    subprocess.run, ["fsck.erofs", f"--extract={root}", "--overwrite", "--no-preserve-owner",
-                                     str(layer.path)], capture_output=True, timeout=120)
+                src = layer.path
+                if layer.chunked:  # a whole image of the layer (every chunk checked) for fsck.erofs
+                    src = rec.path / f"layer-{layer.hex[:16]}.erofs"
+                    await asyncio.to_thread(self.ctx.store.export_layer, layer.digest, src)
+                try:
+                    r = await asyncio.to_thread(
+                        subprocess.run, ["fsck.erofs", f"--extract={root}", "--overwrite", "--no-preserve-owner",
+                                         str(src)], capture_output=True, timeout=120)
+                finally:
+                    if layer.chunked:
+                        src.unlink(missing_ok=True)
                 if r.returncode != 0:
                     raise SandboxError(f"fake backend: extracting layer {layer.hex[:12]} failed: "
                                        f"{(r.stderr or r.stdout).decode(errors='replace').strip()[-500:]}")

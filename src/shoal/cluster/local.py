@@ -67,7 +67,11 @@ class LocalCluster:
             # Ray notes "the current cluster" in its default temp dir (/tmp/ray), shared by every cluster of the
             # host: a cluster started for the command line keeps that note in its own session directory
             os.environ["RAY_TMPDIR"] = self.temp_dir
-            os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
+        # Ray notes the head's address in its *default* temp dir whatever temp_dir says (/tmp/ray/ray_current_cluster)
+        # and fails when that directory does not exist yet: on a fresh machine, where no Ray ran before
+        from ray._common.utils import get_default_ray_temp_dir
+
+        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=not self.detached, head_node_args=dict(
             node_ip_address="127.0.0.1", gcs_server_port=self.port or _free_port(), include_dashboard=False,
             # Ray's head defaults to fixed ports for these (52365 …): other clusters on this host may hold them

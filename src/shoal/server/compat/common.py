@@ -22,9 +22,9 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.config import settings
 from shoal.errors import ImageNotFound, SandboxNotFound, Unauthorized
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from shoal.server.deps import ServerState
 
 log = logging.getLogger("shoal.server")
+T = TypeVar("T")
 #: E2B's own template names that mean "a general Linux box" (mapped to SHOAL_E2B_DEFAULT_IMAGE)
 STOCK_TEMPLATES = ("base", "code-interpreter-v1", "code-interpreter", "desktop", "mcp-gateway")
 #: ... of which these are E2B's code interpreter (the `code-interpreter` image when the store has it)
@@ -70,6 +71,17 @@ def interpreter_image(st: ServerState) -> str | None:
     return None
 
 
+def server_local(st: ServerState, name: str, make: Callable[[], T]) -> T:
+    """What the compat layer keeps per server process (process tables, contexts, watchers, ...): made on first
+    use and kept on the server state as `_e2b_<name>`."""
+    attr = f"_e2b_{name}"
+    got = getattr(st, attr, None)
+    if got is None:
+        got = make()
+        setattr(st, attr, got)
+    return got
+
+
 def template_aliases() -> dict[str, str]:
     """Template ID → shoal image, from SHOAL_E2B_TEMPLATES."""
     return dict(settings().e2b_templates)
@@ -85,7 +97,8 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
 
     Order: an alias from SHOAL_E2B_TEMPLATES; an image of that name (the caller's project first); E2B's
     interpreter templates → the `code-interpreter` image when it is built; E2B's stock templates →
-    SHOAL_E2B_DEFAULT_IMAGE. Anything else is ImageNotFound naming the ways to fix it.
+    SHOAL_E2B_DEFAULT_IMAGE; a registry reference (`python:3.12-slim`, `ghcr.io/org/env:1`), pulled by
+    the create when pull_policy allows. Anything else is ImageNotFound naming the ways to fix it.
     """
     template = (template or "base").strip()
     ns = Namespace(who)
@@ -104,6 +117,11 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
             if interpreter is not None:
                 return interpreter
         return ns.for_read(st, settings().e2b_default_image or "base")
+    from shoal.images.pull import check_available
+
+    with contextlib.suppress(ImageNotFound, ValueError):
+        check_available(st.node.store, template)  # a registry reference (Docker's form) the create will pull
+        return template
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")
 
