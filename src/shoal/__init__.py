@@ -20,6 +20,7 @@ from shoal.errors import (
     ImageNotFound,
     InvalidRequest,
     NodeUnavailable,
+    NoShell,
     NotImplementedYet,
     QuotaExceeded,
     RegistryAuthFailed,
@@ -57,8 +58,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendUnavailable", "CapacityExceeded", "Client", "DirEntry", "EgressForbidden", "ExecResult", "FileNotFound",
     "Forbidden", "GangUnsatisfiable", "ImageBuildError", "ImageCorrupt", "ImageNotFound", "InvalidRequest",
-    "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "RegistryAuthFailed", "RegistryUnavailable", "Sandbox",
-    "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxLost", "SandboxNotFound", "SandboxSpec", "Shell",
-    "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
+    "NoShell", "NodeUnavailable", "NotImplementedYet", "QuotaExceeded", "RegistryAuthFailed", "RegistryUnavailable",
+    "Sandbox", "SandboxError", "SandboxFileError", "SandboxInfo", "SandboxLost", "SandboxNotFound", "SandboxSpec",
+    "Shell", "ShellNotFound", "ShoalError", "StoreUnavailable", "Stream", "StreamEvent", "SyncClient", "SyncSandbox",
     "Timeout", "Unauthorized", "Unsupported", "__version__",
 ]

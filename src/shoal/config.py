@@ -429,7 +429,8 @@ class Settings:
     sealed_runtime: bool = setting(True, "node", "run the OCI runtime from a sealed in-memory copy", BOOL)
     mntns: bool = setting(True, "node", "start containers through the mount-namespace helper (C, built once)",
                           BOOL)
-    sh: bool = setting(False, "node", "string commands run with /bin/sh -c instead of /bin/bash -c", BOOL)
+    sh: bool = setting(False, "node", "string commands always run with /bin/sh -c (default: /bin/bash where the image "
+                                   "has it, else /bin/sh)", BOOL)
     events: bool = setting(True, "node", "keep the node's event log ($SHOAL_HOME/events: created, paused, resumed, "
                            "oom, timeout, lost, closed; read by `shoal events`, the SDK and the dashboard)", BOOL)
     events_commands: bool = setting(True, "node", "also log every finished command (cut to 300 characters) with "

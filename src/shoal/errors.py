@@ -170,6 +170,13 @@ class AgentProtocolError(SandboxError):
     code = "agent_protocol_error"
 
 
+class NoShell(InvalidRequest):
+    """A command given as a string needs a shell, and the sandbox's image has neither /bin/bash nor /bin/sh
+    (a distroless or scratch image): pass the command as an argv list instead."""
+
+    code = "no_shell"
+
+
 class PortNotOpen(SandboxError):
     """Nothing accepts TCP connections on that port inside the sandbox (on its loopback)."""
 
@@ -242,6 +249,7 @@ ERRORS_BY_CODE: dict[str, type[ShoalError]] = {
         NodeUnavailable,
         AgentProtocolError,
         ImageBuildError,
+        NoShell,
         ImageCorrupt,
         StoreUnavailable,
         Unauthorized,

@@ -276,6 +276,29 @@ RUN --mount=type=bind,from=tools,source=/tools,target=/t cp /t/t.txt /from-stage
         shutil.rmtree(shoal_home / "build-cache")
 
 
+async def test_independent_stages_build_side_by_side(node, store: ImageStore, tmp_path: Path) -> None:
+    """Two stages that need each other's progress (through a shared cache mount) finish only when they run
+    at the same time; a stage nobody needs is never built."""
+    wait = ("echo {me} > /c/{me}; for i in $(seq 600); do [ -f /c/{other} ] && exit 0; sleep 0.1; done; "
+            "echo 'the other stage never ran beside this one'; exit 1")
+    ctx = _write(tmp_path / "ctx", {"Dockerfile": f"""FROM base AS a
+RUN --mount=type=cache,id=side-by-side-{os.getpid()},target=/c {wait.format(me="a", other="b")}
+RUN echo a > /a
+FROM base AS b
+RUN --mount=type=cache,id=side-by-side-{os.getpid()},target=/c {wait.format(me="b", other="a")}
+RUN echo b > /b
+FROM base AS never
+RUN exit 1
+FROM base
+COPY --from=a /a /a
+COPY --from=b /b /b
+"""})
+    res = await _build(node, ctx, "df-par:1")
+    assert res.stages == ["a", "b", "3"]
+    t = _tree(store, "df-par:1", "/a", "/b")
+    assert t["/a"][3] == b"a\n" and t["/b"][3] == b"b\n"
+
+
 @pytest.mark.parametrize(("text", "err", "words"), [
     ("FROM nosuchimage:1\n", ImageNotFound, "nosuchimage:1"),
     ("FROM base\nCOPY missing.txt /x\n", InvalidRequest, "not found in the build context"),

@@ -106,3 +106,38 @@ def test_public_task_shapes_against_a_server(shape: str, api_server, tmp_path: P
     task = _shapes(tmp_path / "tasks", digest)[shape]
     _ok(_run(task, tmp_path / "jobs", "-k", "2", "-n", "2", "--ek", f"url={api_server.url}",
              "--ek", f"token={api_server.token}"), 2)
+
+
+@pytest.fixture
+def public_python(registry_env, base_image: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """`python:3.12-slim`-like under a Docker Hub name (`shoal-harbor-py:3.12-slim`, i.e.
+    docker.io/library/…), served by the loopback registry as docker.io's mirror: shoal's base tree (Debian 12
+    with python3), exported as a docker-archive and pushed with skopeo. Yields (name, manifest digest)."""
+    from shoal.config import Paths
+    from shoal.images.store import ImageStore
+    from tests.dockerequal import docker_archive, shoal_tree
+
+    store = ImageStore(Paths.from_env().store)
+    rootfs = tmp_path / "rootfs.tar"
+    with shoal_tree(store, "base") as root:
+        subprocess.run(["tar", "--numeric-owner", "-C", str(root), "-cf", str(rootfs), "."], check=True)
+    arch = docker_archive(rootfs, tmp_path / "py.tar", "shoal-harbor-py:3.12-slim")
+    rootfs.unlink()
+    registry_env.push_archive(arch, "library/shoal-harbor-py:3.12-slim")
+    arch.unlink()
+    yield "shoal-harbor-py:3.12-slim", registry_env.manifest_digest("library/shoal-harbor-py:3.12-slim")
+    for tag in store.tags():
+        if tag[0].endswith("shoal-harbor-py"):
+            store.remove_image(f"{tag[0]}:{tag[1]}")
+
+
+def test_public_name_through_a_mirror_and_digest_pinned(public_python, tmp_path: Path) -> None:
+    """FROM a Docker Hub name, tag and digest, that the store lacks: pulled through the mirror
+    (SHOAL_REGISTRY_MIRRORS) on demand by the embedded node, then built and solved."""
+    name, digest = public_python
+    tasks = tmp_path / "tasks"
+    by_tag = _task(tasks, "hub-python", f"FROM {name}\nWORKDIR /app\n", "/app/fizzbuzz.py")
+    pinned = _task(tasks, "hub-python-pinned", f"FROM docker.io/library/{name}@{digest}\nWORKDIR /srv\n",
+                   "/srv/fizzbuzz.py")
+    _ok(_run(by_tag, tmp_path / "jobs1", "-k", "2", "-n", "2"), 2)
+    _ok(_run(pinned, tmp_path / "jobs2"), 1)

@@ -298,9 +298,14 @@ def test_nodes_sharing_a_store_pull_once(registry_env: LoopbackRegistry, tmp_pat
     root = tmp_path / "shared-store"
     ImageStore(root)
     mark = reg.mark()
-    code = ("import json, sys; from shoal.images.store import ImageStore; from shoal.images.pull import pull_image;"
-            "r = pull_image(ImageStore(sys.argv[1]), 'shared:1');"
-            "print(json.dumps({'digest': r.image.digest, 'waited': r.waited, 'fetched': r.layers_fetched}))")
+    # each process does what a create does (ensure_image, policy missing), reporting what its pull did
+    code = ("import json, sys; from shoal.images.store import ImageStore; from shoal.images import pull;"
+            "reps = []; real = pull.pull_image;"
+            "pull.pull_image = lambda *a, **k: reps.append(real(*a, **k)) or reps[-1];"
+            "img = pull.ensure_image_sync(ImageStore(sys.argv[1]), 'shared:1');"
+            "r = reps[0] if reps else None;"
+            "print(json.dumps({'digest': img.digest, 'waited': bool(r is None or r.waited),"
+            " 'fetched': r.layers_fetched if r else 0}))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               cwd=REPO) for _ in range(4)]
     outs = []
@@ -308,7 +313,7 @@ def test_nodes_sharing_a_store_pull_once(registry_env: LoopbackRegistry, tmp_pat
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()[-2000:]
         outs.append(json.loads(out.decode().strip().splitlines()[-1]))
-    assert len({o["digest"] for o in outs}) == 1
+    assert len({o["digest"] for o in outs}) == 1, outs
     assert sum(o["fetched"] for o in outs) == 3 and sum(not o["waited"] for o in outs) == 1
     wait_for(lambda: len(_blob_gets(reg, mark)) >= 4, what="the registry log")
     assert len(_blob_gets(reg, mark)) == 4, "config + 3 layers, once for all four nodes"
@@ -373,3 +378,40 @@ async def test_create_pulls_a_missing_image_once(registry_env: LoopbackRegistry,
     wait_for(lambda: len(_blob_gets(reg, mark)) >= 2, what="the registry log")
     assert len([r for r in reg.since(mark) if r.is_manifest and r.status == 200]) == 1
     assert len(_blob_gets(reg, mark)) == 2, "config + one layer, once for four creates"
+
+
+async def test_pull_and_pull_on_demand_over_http(registry_env: LoopbackRegistry, tmp_path: Path,
+                                                 shoal_home: Path) -> None:
+    """The SDK over HTTP: client.pull(REF) (any project's token: the image goes to the shared store), a create
+    of a missing image pulls it on the server, and the typed errors cross the wire."""
+    import shoal
+    from shoal.server.proc import ServerProcess
+    from shoal.server.tokens import TokenStore
+    from tests.registry import busybox_layer
+
+    reg = registry_env
+    reg.push("library/hpull:1", [busybox_layer()], env=["PATH=/bin"])
+    reg.push("library/hcreate:1", [busybox_layer([("file", "etc/marker", b"on-demand", 0o644)])], env=["PATH=/bin"])
+    token = TokenStore(shoal_home).create("pullers", name="test_image_pull")
+    env = {**os.environ, "SHOAL_STORE": str(tmp_path / "store")}
+    srv = ServerProcess(env=env, token=token, log_path=tmp_path / "serve.log").start()
+    try:
+        async with shoal.Client(srv.url, token=token) as c:
+            rep = await c.pull("hpull:1")
+            assert rep["layers_fetched"] == 1 and rep["image"]["name"] == "hpull"
+            assert any(i["name"] == "hpull" for i in await c.images())
+            sb = await c.create("hcreate:1", memory_mb=128)
+            try:
+                assert await sb.read_file("/etc/marker") == b"on-demand"
+                assert (await sb.exec("echo $0")).stdout == b"/bin/sh\n"
+            finally:
+                await sb.close()
+            with pytest.raises(ImageNotFound, match=r"MANIFEST_UNKNOWN|manifest unknown"):
+                await c.pull("hpull:2")
+            with pytest.raises(ImageNotFound):
+                await c.create("hpull:3")
+            with pytest.raises(InvalidRequest):
+                await c.pull("Not A Ref")
+    finally:
+        srv.stop()
+    assert ImageStore(tmp_path / "store").exists("hcreate:1")

@@ -45,9 +45,18 @@ def test_routing_by_header_and_host() -> None:
 class _Store:
     def __init__(self, names: set[str]) -> None:
         self.names = names
+        self.root = "/fake-store"
 
     def exists(self, ref: str) -> bool:
         return ref.split(":")[0] in self.names
+
+    def resolve(self, ref: str) -> object:
+        if not self.exists(ref):
+            raise ImageNotFound(f"{ref} not in this fake store")
+        return SimpleNamespace(ref=ref)
+
+    def cache_get(self, kind: str, key: str) -> None:
+        return None
 
 
 def test_template_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,7 +71,15 @@ def test_template_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert common.resolve_template(st, team, "mine") == "projects/team/mine"  # the project's own image first
     assert common.resolve_template(st, team, "base") == "base"  # a stock template → the default image
     with pytest.raises(ImageNotFound, match="SHOAL_E2B_TEMPLATES"):
-        common.resolve_template(st, team, "unknown-template")
+        common.resolve_template(st, team, "unknown-template")  # pull_policy never (the suite's): not pullable
+    monkeypatch.setenv("SHOAL_PULL_POLICY", "missing")
+    reset()
+    # a registry reference in Docker's form: the create pulls it
+    for ref in ("python:3.12-slim", "ghcr.io/laude-institute/t-bench/python-3-13:20250620", f"py@sha256:{'a' * 64}"):
+        assert common.resolve_template(st, team, ref) == ref
+    with pytest.raises(ImageNotFound, match="SHOAL_E2B_TEMPLATES"):
+        common.resolve_template(st, team, "Not A Reference")
+    monkeypatch.setenv("SHOAL_PULL_POLICY", "never")
     monkeypatch.setenv("SHOAL_E2B_TEMPLATES", "broken")
     reset()
     with pytest.raises(InvalidRequest, match="SHOAL_E2B_TEMPLATES"):

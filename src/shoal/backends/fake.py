@@ -127,6 +127,11 @@ class FakeBackend(Backend):
         self.creates = 0
 
     @staticmethod
+    def string_shell(rec: SandboxRecord) -> str:
+        """Commands run host programs here (only paths are mapped): the host's bash runs string commands."""
+        return "/bin/bash"
+
+    @staticmethod
     def root(rec: SandboxRecord) -> Path:
         """The sandbox's directory tree (its "/")."""
         return rec.path / "root"

@@ -325,7 +325,7 @@ def image_pull(
     once: layers the store already has are not fetched)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from shoal.images.pull import PullEvent, from_registry, pull_image, resolve_local
+    from shoal.images.pull import PullEvent, pull_image
 
     store = _store()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -351,9 +351,7 @@ def image_pull(
         import asyncio
 
         def run() -> Any:
-            prev = resolve_local(store, reference)
-            return pull_image(store, reference, progress=on_event, work_dir=_local_tmp(),
-                              previous=prev if prev is not None and from_registry(prev) else None)
+            return pull_image(store, reference, progress=on_event, work_dir=_local_tmp())
 
         with progress:
             return await asyncio.to_thread(run)

@@ -359,7 +359,22 @@ class DockerBuild:
             target = found[0]
         order = needed_stages(self.stages, target, self.lex, self.gargs)
         self.n_steps = sum(len(s.instructions) + 1 for s in order)
-        st, _img = await self._stage(target)
+        # every needed stage starts now: independent stages build side by side, each waits for what it uses
+        tasks = [self._start_stage(s) for s in order]
+        try:
+            # the first stage to fail fails the build at once (the others are cancelled below)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            st, _img = await self._stage(target)
+        finally:
+            pending = [t for t in self.tasks.values() if not t.done()]
+            for t in pending:
+                t.cancel()
+            for t in pending:
+                with contextlib.suppress(BaseException):
+                    await t
         unused = sorted(set(self.opts.build_args) - self.used_args - set(self.gargs))
         if unused:
             self.warnings.append(f"build args not consumed by the Dockerfile: {', '.join(unused)}")
@@ -393,12 +408,15 @@ class DockerBuild:
             return self.stages[int(name)]
         return None
 
-    async def _stage(self, stage: Stage) -> tuple[_State, Image | None]:
+    def _start_stage(self, stage: Stage) -> asyncio.Task[tuple[_State, Image | None]]:
         task = self.tasks.get(stage.index)
         if task is None:
             task = asyncio.ensure_future(self._build_stage(stage))
             self.tasks[stage.index] = task
-        return await asyncio.shield(task)
+        return task
+
+    async def _stage(self, stage: Stage) -> tuple[_State, Image | None]:
+        return await asyncio.shield(self._start_stage(stage))
 
     async def _stage_image(self, stage: Stage) -> Image:
         """A built stage as an (untagged) image, for FROM, COPY --from and mounts."""

@@ -55,6 +55,7 @@ from shoal.errors import (
     Timeout,
 )
 from shoal.images.claims import CLAIM_TTL_S, Claim, break_stale
+from shoal.images.claims import age_s as claim_age_s
 from shoal.images.reference import Reference, parse_reference
 from shoal.images.store import MAX_LAYERS, Image, ImageStore
 
@@ -157,7 +158,7 @@ def from_registry(img: Image) -> bool:
 def _not_found(r: Reference, store: ImageStore, why: str) -> ImageNotFound:
     hint = ("run `shoal image build base`" if r.name == "base" and not r.digest else
             f"`shoal image pull {r.familiar}`, or see `shoal image ls`")
-    return ImageNotFound(f"image {r.familiar} is not in the store at {store.root}: {why}; {hint}",
+    return ImageNotFound(f"image {r.familiar} not found in the store at {store.root} ({why}): {hint}",
                          reference=r.familiar)
 
 
@@ -209,7 +210,7 @@ async def ensure_image(store: ImageStore, ref: str | Reference, *, policy: str |
         async def run() -> None:
             try:
                 rep = await asyncio.to_thread(pull_image, store, r, settings=s, progress=progress, work_dir=work_dir,
-                                              previous=img)
+                                              previous=img, if_missing=img is None)
                 fut.set_result(rep.image)
             except BaseException as e:
                 fut.set_exception(e)
@@ -246,7 +247,8 @@ def ensure_image_sync(store: ImageStore, ref: str | Reference, *, policy: str | 
             return got
         lock.acquire()
     try:
-        return pull_image(store, r, settings=s, progress=progress, work_dir=work_dir, previous=img).image
+        return pull_image(store, r, settings=s, progress=progress, work_dir=work_dir, previous=img,
+                          if_missing=img is None).image
     finally:
         lock.release()
 
@@ -259,10 +261,14 @@ def claim_path(store: ImageStore, r: Reference) -> Path:
 
 def pull_image(store: ImageStore, ref: str | Reference, *, settings: Any = None, progress: ProgressFn | None = None,
                work_dir: Path | None = None, previous: Image | None = None, timeout_s: float | None = None,
-               client: Any = None) -> PullReport:
+               client: Any = None, if_missing: bool = False) -> PullReport:
     """Pull `ref` into the store now (blocking), once across every node sharing the store: the node holding
     the pull claim pulls, the others wait for it (up to `pull_timeout_s`) and report `waited`.
-    `previous`: the store's image when re-checking under policy `always`."""
+
+    Like `docker pull`, an image of that reference pulled before is checked against the registry (one
+    manifest request; nothing moves when it did not change). `previous`: the image a caller under policy
+    `always` saw (another node's fresh pull of it counts). `if_missing`: only pull when the store still
+    lacks the reference once the claim is held (what a create under policy `missing` wants)."""
     s = _settings(settings)
     r = _ref(ref)
     if r.local_only:
@@ -278,20 +284,26 @@ def pull_image(store: ImageStore, ref: str | Reference, *, settings: Any = None,
         if claim is not None:
             claim.start_heartbeat_thread()
             try:
-                if waited:
-                    got = resolve_local(store, r)
-                    if got is not None:
-                        return PullReport(image=got, reference=r.canonical, waited=True,
-                                          seconds=time.monotonic() - t0)
+                local = resolve_local(store, r)
+                if local is not None and (waited or if_missing) and (
+                        previous is None or local.digest != previous.digest or waited):
+                    # someone pulled it while this call waited (or since it last looked): use theirs
+                    return PullReport(image=local, reference=r.canonical, waited=True,
+                                      seconds=time.monotonic() - t0)
+                if previous is None and local is not None and from_registry(local):
+                    previous = local
                 return _pull(store, r, s, progress, work_dir, previous, client)
             finally:
                 claim.release_sync()
         if not waited and progress is not None:
             progress(PullEvent("waiting", r.familiar, message="another node is pulling it"))
         waited = True
-        if break_stale(path, CLAIM_TTL_S):
+        age = claim_age_s(path)
+        # only a claim that looks dead is broken: breaking moves it aside for a moment, and a waiter that
+        # looked then would take the claim of a live puller
+        if age is not None and age > CLAIM_TTL_S and break_stale(path, CLAIM_TTL_S):
             continue
-        if not path.exists():
+        if age is None:
             got = resolve_local(store, r)
             if got is not None:
                 return PullReport(image=got, reference=r.canonical, waited=True, seconds=time.monotonic() - t0)

@@ -34,6 +34,8 @@ class DataPlane:
 
     config: NodeConfig
     events: EventLog
+    #: image digest -> the shell its string commands run with (see shell_of)
+    _image_shells: dict[str, str]
 
     def check_oom(self, rec: SandboxRecord, *, cmd: str | list[str] | None = None,
                   when: str = "") -> int:  # pragma: no cover - provided by Node
@@ -60,12 +62,55 @@ class DataPlane:
         raise NotImplementedError
 
     # ---- commands -------------------------------------------------------------------------------
+    async def shell_of(self, rec: SandboxRecord) -> str:
+        """The shell string commands run with in this sandbox: /bin/bash where its image has bash, else
+        /bin/sh (busybox, alpine), decided once per image on this node by asking the agent (lstat inside
+        the sandbox, so symlinked /bin of merged-usr images resolves as the image has it). The node
+        setting `sh` forces /bin/sh. NoShell when the image has neither."""
+        if self.config.posix_sh:
+            return "/bin/sh"
+        cache = self._image_shells
+        key = rec.image_digest or rec.image
+        shell = cache.get(key)
+        if shell is None:
+            shell = await self._probe_shell(rec)
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = shell
+        return shell
+
+    def backend(self, name: str) -> Any:  # pragma: no cover - provided by Node
+        """The node's backend of this name."""
+        raise NotImplementedError
+
+    async def _probe_shell(self, rec: SandboxRecord) -> str:
+        from shoal.errors import FileNotFound, NoShell
+
+        fixed = getattr(self.backend(rec.backend), "string_shell", None)
+        if fixed is not None:  # a backend whose commands do not run in the image (the fake one)
+            return str(fixed(rec))
+        for shell in ("/bin/bash", "/bin/sh"):
+            def look(c: AgentClient, path: str = shell) -> Any:
+                return c.stat(path)
+
+            try:
+                await self.call(rec, look)
+                return shell
+            except FileNotFound:
+                continue
+            except InvalidRequest:
+                return shell  # it is there but cannot be looked at (permissions): let exec say what is wrong
+        raise NoShell(f"image {rec.image} has neither /bin/bash nor /bin/sh, so a command given as a string "
+                      "cannot run: pass it as an argv list, e.g. exec(['/usr/bin/python3', '-c', 'print(1)'])",
+                      image=rec.image)
+
     async def exec(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
                    cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                    stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
         """Run a command to completion in the sandbox."""
-        argv = _argv(cmd, self.config.posix_sh)
+        _argv(cmd, "/bin/sh")  # a bad command fails before the record is read
         rec = self.record(sandbox_id)
+        argv = _argv(cmd, await self.shell_of(rec) if isinstance(cmd, str) else "")
         cwd, user = _exec_defaults(rec, cwd, user)
         cap = _output_cap(rec, max_output)
         check_env(env)
@@ -81,8 +126,9 @@ class DataPlane:
                      tty: bool = False, stdin: bool = False, max_output: int | None = None) -> Any:
         """Start a command and return its stream handle (async iterator of StreamEvent). `max_output` caps
         each output stream (bytes, 0 = no cap; default: the sandbox's `max_output_bytes`)."""
-        argv = _argv(cmd, self.config.posix_sh)
+        _argv(cmd, "/bin/sh")
         rec = self.record(sandbox_id)
+        argv = _argv(cmd, await self.shell_of(rec) if isinstance(cmd, str) else "")
         cwd, user = _exec_defaults(rec, cwd, user)
         check_env(env)
         check_timeout(timeout)
@@ -124,6 +170,11 @@ class DataPlane:
                          user: str | None = None) -> str:
         """Start a persistent bash session in the sandbox; returns its id."""
         rec = self.record(sandbox_id)
+        if not self.config.posix_sh and await self.shell_of(rec) != "/bin/bash":
+            from shoal.errors import NoShell
+
+            raise NoShell(f"persistent shells run bash, and image {rec.image} has only /bin/sh: use exec() or "
+                          "stream() (string commands run with /bin/sh there)", image=rec.image)
         cwd, user = _exec_defaults(rec, cwd, user)
         check_env(env)
         return await self.call(rec, lambda c: c.shell_open(cwd=cwd, env=env, user=user))
@@ -194,11 +245,11 @@ class LoggedStream:
         return getattr(self._inner, name)
 
 
-def _argv(cmd: str | list[str], posix_sh: bool) -> list[str]:
+def _argv(cmd: str | list[str], shell: str) -> list[str]:
     if isinstance(cmd, str):
         if not cmd.strip():
             raise InvalidRequest("command is empty")
-        return ["/bin/sh", "-c", cmd] if posix_sh else ["/bin/bash", "-c", cmd]
+        return [shell, "-c", cmd]
     if not cmd or not all(isinstance(a, str) for a in cmd):
         raise InvalidRequest("command must be a non-empty string or list of strings")
     return list(cmd)

@@ -63,6 +63,7 @@ class Node(DataPlane):
         self.config = config or NodeConfig()
         self.paths = self.config.paths
         self.store = ImageStore(self.paths.store)
+        self._image_shells: dict[str, str] = {}
         for d in (self.paths.home, self.paths.sandboxes, self.paths.run, self.paths.locks):
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts = LayerMounts(self.paths)
@@ -269,15 +270,12 @@ class Node(DataPlane):
         """`shoal image pull`: ask the registry for `ref` now (as `docker pull` does: an image of that name
         in the store is checked against the registry and replaced when it changed). Once across the nodes
         sharing the store; returns the PullReport as a dict."""
-        from shoal.images.pull import from_registry, pull_image, resolve_local
+        from shoal.images.pull import pull_image
 
         await asyncio.to_thread(self.store_health.check)
 
         def go() -> dict[str, Any]:
-            prev = resolve_local(self.store, ref)
-            rep = pull_image(self.store, ref, progress=progress, work_dir=self.paths.home / "tmp",
-                             previous=prev if prev is not None and from_registry(prev) else None)
-            return rep.to_dict()
+            return pull_image(self.store, ref, progress=progress, work_dir=self.paths.home / "tmp").to_dict()
 
         return await asyncio.to_thread(go)
 

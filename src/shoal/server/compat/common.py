@@ -85,7 +85,8 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
 
     Order: an alias from SHOAL_E2B_TEMPLATES; an image of that name (the caller's project first); E2B's
     interpreter templates → the `code-interpreter` image when it is built; E2B's stock templates →
-    SHOAL_E2B_DEFAULT_IMAGE. Anything else is ImageNotFound naming the ways to fix it.
+    SHOAL_E2B_DEFAULT_IMAGE; a registry reference (`python:3.12-slim`, `ghcr.io/org/env:1`), pulled by
+    the create when pull_policy allows. Anything else is ImageNotFound naming the ways to fix it.
     """
     template = (template or "base").strip()
     ns = Namespace(who)
@@ -104,6 +105,11 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
             if interpreter is not None:
                 return interpreter
         return ns.for_read(st, settings().e2b_default_image or "base")
+    from shoal.images.pull import check_available
+
+    with contextlib.suppress(ImageNotFound, ValueError):
+        check_available(st.node.store, template)  # a registry reference (Docker's form) the create will pull
+        return template
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")
 
