@@ -32,6 +32,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note whether the host had swap before the suite (nodes set up zram swap when it has none)."""
+    if IS_ROOT:
+        from shoal.node.reclaim import swap_active
+
+        session.config.stash[_HAD_SWAP] = swap_active()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave swap as the suite found it: the zram swap a node of this suite made goes again, once no other
+    node process on the host relies on it (shoal.node.swap)."""
+    if IS_ROOT and session.config.stash.get(_HAD_SWAP, True) is False:
+        from shoal.node import swap
+
+        try:
+            swap.release_unused(ignore_pid=os.getpid())
+        except Exception as e:
+            print(f"\nswap made during the tests was not turned off: {e}")
+
+
+_HAD_SWAP = pytest.StashKey[bool]()
+
+
 def _mounts_under(prefix: str) -> list[str]:
     out = []
     with open("/proc/self/mountinfo") as f:

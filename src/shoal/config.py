@@ -186,6 +186,22 @@ def _size(v: object) -> object:
 SIZE = Conv("size (e.g. 8G)", _size)
 
 
+def _zram_swap(v: object) -> object:
+    s = str(v).strip().lower()
+    if s in ("", "auto"):
+        return "auto"
+    if s in ("0", "off", "no", "none"):
+        return "off"
+    try:
+        return _size(v)
+    except ValueError:
+        raise ValueError("must be auto (half the RAM, at most 8G, when the host has no swap), off "
+                         "(leave swap alone) or a size such as 8G") from None
+
+
+ZRAM_SWAP = Conv("auto|off|size", _zram_swap)
+
+
 def _swap_policy(v: object) -> object:
     s = str(v).strip().lower()
     if s in ("", "auto"):
@@ -416,12 +432,16 @@ class Settings:
     reclaim: bool = setting(True, "node", "reclaim a paused sandbox's memory (page cache; anonymous memory "
                             "when swap is on)", BOOL)
     prefetch: bool = setting(True, "node", "record the working set at pause, read it back before the thaw", BOOL)
-    zram_swap: str | None = setting(None, "node", "compressed swap in RAM set up when the node starts",
-                                    _optional(SIZE), default_doc="leave swap alone")
+    zram_swap: str = setting("auto", "node", "compressed swap in RAM (zram) the node sets up when it starts and "
+                             "the host has no swap: auto = half the RAM, at most 8G; a size; off = leave swap "
+                             "alone (pause then reclaims page cache only; shoal.node.swap)", ZRAM_SWAP)
     sandbox_swap: str = setting("auto", "node", "swap a running container may use: auto = as much as its "
                                 "memory, 0 = none, or a size", SWAP_POLICY)
     swap_demote: bool = setting(True, "node", "a sandbox swapping past its memory limit runs as cpu_class batch "
-                                "until it is back under it (cgroup v1 memory; shoal.node.swapwatch)", BOOL)
+                                "until it is back under it (shoal.node.swapwatch)", BOOL)
+    agent_idle_s: float = setting(20.0, "node", "an agent connection unused this long is closed, and reopened by "
+                                  "the next request (s; 0 = keep them): idle sandboxes hold no descriptor",
+                                  number(0))
     sandbox_tmpfs: bool = setting(True, "node", "container sandbox directories live on a tmpfs", BOOL)
     disk_limits: bool = setting(True, "node", "per-sandbox disk limits (btrfs qgroups on the upper pool)", BOOL)
     upper_pool_gb: int = setting(0, "node", "size of the upper pool (GiB); 0 = half the free disk, 2-1024",
@@ -974,8 +994,11 @@ class NodeConfig:
     reclaim_on_pause: bool = field(default_factory=lambda: settings().reclaim)
     #: record the working set at pause and read it back before the thaw (faster first request)
     prefetch_on_resume: bool = field(default_factory=lambda: settings().prefetch)
-    #: set up compressed swap in RAM (zram) of this size when the node starts, e.g. "8G" (None: leave swap alone)
+    #: compressed swap in RAM (zram) set up when the node starts and the host has none: "auto" (half the RAM,
+    #: at most 8 GiB), a size such as "8G", or "off"/None (leave swap alone); see shoal.node.swap
     zram_swap: str | None = field(default_factory=lambda: settings().zram_swap)
+    #: close an agent connection unused this long (s; 0 = never): see shoal.node.connections
+    agent_idle_s: float = field(default_factory=lambda: settings().agent_idle_s)
     #: sandboxes kept ready per image from the start ({"base": 16}); Node.set_warm_pool changes it later
     warm_pool: dict[str, int] = field(default_factory=lambda: dict(settings().warm_pool))
     #: string commands run with /bin/sh -c instead of /bin/bash -c (images without bash)
@@ -991,7 +1014,8 @@ class NodeConfig:
                               "admission_psi_full": s.admission_psi_full, "host_reserve_mb": s.host_reserve_mb,
                               "node_oom_score_adj": s.node_oom_score_adj, "node_memory_min_mb": s.node_memory_min_mb,
                               "reclaim_on_pause": s.reclaim, "prefetch_on_resume": s.prefetch,
-                              "zram_swap": s.zram_swap, "warm_pool": dict(s.warm_pool), "posix_sh": s.sh,
+                              "zram_swap": s.zram_swap, "agent_idle_s": s.agent_idle_s,
+                              "warm_pool": dict(s.warm_pool), "posix_sh": s.sh,
                               "fake_backend": s.fake_backend}
         kw.update(overrides)
         return cls(**kw)

@@ -433,3 +433,46 @@ async def test_watch_dir_async_streams_events(sdk: dict) -> None:
             await sb.files.watch_dir("/work/missing", on_event=on_event)
     finally:
         await sb.kill()
+
+
+# ---- get_metrics -----------------------------------------------------------------------------------------
+def test_get_metrics_series(sdk: dict) -> None:
+    import datetime
+
+    import httpx
+    from e2b import Sandbox, SandboxNotFoundException
+
+    from tests.waiting import wait_for
+
+    sb = Sandbox.create(timeout=300)
+    sdk["made"].append(sb)
+    first = sb.get_metrics()
+    assert len(first) == 1  # sampled when the sandbox was made
+    m = first[0]
+    assert m.cpu_count == 1 and m.mem_total == sb.get_info().memory_mb << 20 and m.disk_total > 0
+    assert 0 <= m.cpu_used_pct <= 100 and 0 < m.mem_used < m.mem_total
+    # a busy CPU, 200 MiB held and 30 MiB written show in the next samples (one every 5 s; disk every 30 s).
+    # (The CPU share is what the sandbox got: on a loaded 2-core machine a busy loop gets far less than 100%.)
+    sb.files.write("/root/blob", b"x" * (30 << 20))
+    sb.commands.run("python3 -c 'import time; b = bytearray(200 << 20); time.sleep(600)' & "
+                    "timeout 600 sh -c 'while :; do :; done' &", background=True)
+
+    def busy() -> list:
+        ms = sb.get_metrics()
+        last = ms[-1]
+        return ms if last.cpu_used_pct > 5 and last.mem_used > 200 << 20 and last.disk_used >= 30 << 20 else []
+    series = wait_for(busy, 120, what="a sample with the CPU busy, 200 MiB used and 30 MiB on disk")
+    stamps = [x.timestamp for x in series]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+    # the time window, and the class-method form
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    assert sb.get_metrics(start=later) == []
+    assert len(Sandbox.get_metrics(sb.sandbox_id, end=later)) == len(sb.get_metrics())
+    # the latest point of several sandboxes (the dashboard's call)
+    r = httpx.get(f"{sdk['url']}/sandboxes/metrics", params={"sandbox_ids": f"{sb.sandbox_id},n0-nosuchsandbox"},
+                  headers={"X-API-KEY": sdk["token"]})
+    assert r.status_code == 200 and set(r.json()["sandboxes"]) == {sb.sandbox_id}
+    assert r.json()["sandboxes"][sb.sandbox_id]["cpuCount"] == 1
+    sb.kill()
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_metrics(sb.sandbox_id)

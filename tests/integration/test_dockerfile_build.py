@@ -299,6 +299,31 @@ COPY --from=b /b /b
     assert t["/a"][3] == b"a\n" and t["/b"][3] == b"b\n"
 
 
+async def test_scratch_images_without_tar(node, store: ImageStore, tmp_path: Path) -> None:
+    """FROM scratch + COPY --from=builder (Go-style), a WORKDIR, and COPY --from out of that tar-less stage."""
+    ctx = _write(tmp_path / "ctx", {"Dockerfile": """FROM base AS build
+RUN mkdir -p /out/bin && printf 'binary' > /out/bin/app && chmod 750 /out/bin/app && echo cfg > /out/cfg
+FROM scratch AS final
+COPY --from=build /out/ /
+COPY --from=build --chown=1000:1000 /out/cfg /etc/app/app.cfg
+WORKDIR /data
+ENTRYPOINT ["/bin/app"]
+FROM scratch
+COPY --from=final /etc/app /app-etc
+""", "x": "x"})
+    res = await _build(node, ctx, "df-scratch:final", target="final")
+    t = _tree(store, "df-scratch:final", "/bin/app", "/cfg", "/etc/app/app.cfg", "/etc/app", "/data", "/proc",
+              "/.shoal")
+    assert t["/bin/app"] == ("0o750", 0, 0, b"binary") and t["/cfg"][3] == b"cfg\n"
+    assert t["/etc/app/app.cfg"][:3] == ("0o644", 1000, 1000) and t["/etc/app"][:3] == ("0o755", 1000, 1000)
+    assert t["/data"] == ("0o755", 0, 0, None)
+    assert t["/proc"] is None and t["/.shoal"] is None  # no runtime mountpoints in the layers
+    assert res.image.config.entrypoint == ["/bin/app"] and res.image.config.workdir == "/data"
+    await _build(node, ctx, "df-scratch:last")
+    assert _tree(store, "df-scratch:last", "/app-etc/app.cfg")["/app-etc/app.cfg"][:4] == ("0o644", 1000, 1000,
+                                                                                          b"cfg\n")
+
+
 @pytest.mark.parametrize(("text", "err", "words"), [
     ("FROM nosuchimage:1\n", ImageNotFound, "nosuchimage:1"),
     ("FROM base\nCOPY missing.txt /x\n", InvalidRequest, "not found in the build context"),

@@ -46,11 +46,10 @@ class _Store:
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self.root = "/fake-store"
-        self.tags_dir = Path("/nonexistent-fake-store/tags")  # no name has tags (shoal.images.visibility)
+        self.tags_dir = Path("/nonexistent/fake-store/tags")  # no tag files: digests belong to no name here
 
     def exists(self, ref: str) -> bool:
-        # names only: a digest this fake never stored is not there (as in the real store)
-        return "@" not in ref and ref.split(":")[0] in self.names
+        return ref.split(":")[0] in self.names
 
     def resolve(self, ref: str) -> object:
         if not self.exists(ref):

@@ -115,7 +115,7 @@ def test_replace_checks_and_records_arguments() -> None:
     ("SHOAL_RECLAIM", "maybe", "must be 1/true/yes/on or 0/false/no/off"),
     ("SHOAL_RUNTIME", "docker", "must be one of auto, crun, runc, gvisor"),
     ("SHOAL_WARM_POOL", "base", "must look like IMAGE=COUNT"),
-    ("SHOAL_ZRAM_SWAP", "lots", "must be a positive size"),
+    ("SHOAL_ZRAM_SWAP", "lots", "must be auto (half the RAM, at most 8G, when the host has no swap), off"),
     ("SHOAL_NODE_ID", "N 0", "1-32 characters of a-z, 0-9 and -"),
     ("SHOAL_API_PORT", "99999", "must be an integer ≥ 0 and ≤ 65535"),
     ("SHOAL_URL", "localhost:8700", "an http(s):// or ray:// URL"),

@@ -18,11 +18,16 @@ import pytest
 from shoal.server.compat.repl_driver import SOURCE
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 class Driver:
-    def __init__(self) -> None:
+    def __init__(self, preexec: object = None) -> None:
         self.p = subprocess.Popen([sys.executable, "-c", SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, env={**os.environ, "MPLBACKEND": "Agg"},
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=preexec)  # type: ignore[arg-type]
         self.buf = b""
         self.n = 0
 
@@ -116,7 +121,17 @@ def test_output_made_between_executions_keeps_its_own_id(drv: Driver) -> None:
     assert late is not None and late["id"] == rid  # printed during r2: it belongs to r2
 
 
-def test_interrupt_stops_the_cell_and_keeps_the_namespace(drv: Driver) -> None:
+@pytest.mark.parametrize("inherited", ["default", "sigint-ignored-and-blocked"])
+def test_interrupt_stops_the_cell_and_keeps_the_namespace(inherited: str) -> None:
+    # started by a parent that ignores and blocks SIGINT (both survive exec), the driver still takes interrupts
+    drv = Driver(_ignore_sigint if inherited != "default" else None)
+    try:
+        _interrupt_keeps_the_namespace(drv)
+    finally:
+        drv.close()
+
+
+def _interrupt_keeps_the_namespace(drv: Driver) -> None:
     drv.run("kept = 1")
     rid = drv.send("import time\nprint('started')\nwhile True:\n    time.sleep(0.01)")
     while drv.record().get("text") != "started\n":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -239,6 +240,10 @@ class AgentClient:
         self._decoder = F.FrameDecoder()
         self._read_task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._read_loop())
         self.agent_info: dict[str, Any] = {}
+        #: time.monotonic() of the last request sent or frame received (the node closes idle connections)
+        self.last_active = time.monotonic()
+        #: set when the node closed this connection for being idle (a request racing it may retry)
+        self.closed_idle = False
 
     # ------------------------------------------------------------------ connection
 
@@ -285,6 +290,11 @@ class AgentClient:
     def closed(self) -> bool:
         """True once the connection is closed or lost."""
         return self._lost is not None
+
+    @property
+    def busy(self) -> bool:
+        """True while a request or stream is open on this connection (closing it would end them)."""
+        return bool(self._streams)
 
     async def close(self) -> None:
         """Close the connection. Processes in the sandbox keep running (they belong to the agent)."""
@@ -340,6 +350,7 @@ class AgentClient:
             self._fail_all(SandboxError(f"agent connection lost: {reason}"))
 
     def _dispatch(self, fr: F.Frame) -> None:
+        self.last_active = time.monotonic()
         s = self._streams.get(fr.stream)
         if s is None:
             return  # a stream we stopped listening to, or stream-0 errors we cannot attribute
@@ -365,6 +376,7 @@ class AgentClient:
                 break
         s = _Stream(sid, op)
         self._streams[sid] = s
+        self.last_active = time.monotonic()
         return s
 
     async def _send(self, data: bytes, drain: bool = False) -> None:

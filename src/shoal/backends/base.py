@@ -80,6 +80,9 @@ class Backend(ABC):
     capabilities: frozenset[Capability] = frozenset({Capability.SANDBOXES})
     #: per missing capability, what to use instead (completes the `Unsupported` message)
     instead: dict[Capability, str] = {}
+    #: the node may close an idle agent connection and open a new one on the next request (the agent
+    #: accepts connections cheaply: a Unix socket); a VM's virtio-serial line stays open
+    idle_close: bool = False
 
     def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
         self.ctx = ctx

@@ -131,6 +131,7 @@ class ContainerBackend(Backend):
     """OCI containers with the shoal agent as PID 1."""
 
     name = "container"
+    idle_close = True
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.RECLAIM,
                               Capability.SNAPSHOT_FILES, Capability.NETWORK, Capability.EGRESS_RULES,
                               Capability.CPU_CLASS})
@@ -209,6 +210,12 @@ class ContainerBackend(Backend):
         val = sandbox_swap_mb(memory_mb)
         self._swap_cache[memory_mb] = (now, val)
         return val
+
+    def _has_swap(self, rec: SandboxRecord) -> bool:
+        # without swap a sandbox at its limit is OOM-killed at once: nothing to watch
+        if "swap_mb" in rec.extra:
+            return bool(rec.extra["swap_mb"])
+        return bool(self._swap_mb(int(rec.spec.get("memory_mb") or 0)))  # a record from an older shoal
 
     def _ensure_guard(self) -> None:
         # started by the first sandbox this process makes or reaches (one per node process)
@@ -342,6 +349,7 @@ class ContainerBackend(Backend):
             env.update(spec.env)
             env.setdefault("HOSTNAME", spec.hostname or "sandbox")
             swap_mb = self._swap_mb(spec.memory_mb)
+            rec.extra["swap_mb"] = swap_mb  # None: the runtime's default (no swap on the host)
             gf = self.guestfs
             gf.ensure()
             cfg = build_config(
@@ -412,7 +420,8 @@ class ContainerBackend(Backend):
         """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
         if rec.extra.get("projid"):
             self._ensure_guard()
-        self._watch_swap(rec)  # a sandbox made by an earlier node process (idempotent)
+        if self._has_swap(rec):
+            self._watch_swap(rec)  # a sandbox made by an earlier node process (idempotent)
         task = self._connecting.pop(rec.id, None)
         if task is not None:
             try:

@@ -109,6 +109,7 @@ class FakeBackend(Backend):
     """Sandboxes as host directories and plain processes (no isolation; unit tests only)."""
 
     name = "fake"
+    idle_close = True
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.SNAPSHOT_FILES})
     instead = {
         Capability.NETWORK: "the fake backend has no network of its own; use backend='container'",

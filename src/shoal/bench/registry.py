@@ -32,13 +32,14 @@ SCENARIOS: dict[str, str] = {
     "build": "shoal.bench.scenarios.build",
     "gvisor": "shoal.bench.scenarios.gvisor",
     "dashboard": "shoal.bench.scenarios.dashboard",
+    "soak": "shoal.bench.scenarios.soak",
 }
 
 #: other names users reach for (the image issue speaks of `shoal bench image`)
 ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api", "ui": "dashboard", "events": "dashboard",
                            "e2b": "compat", "swerex": "compat", "ray": "cluster",
-                           "dockerfile": "build"}
+                           "dockerfile": "build", "churn": "soak"}
 
 
 class UnknownScenario(ValueError):

@@ -16,7 +16,6 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,24 +232,34 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
                 if json_path:  # partial results survive an interrupted run
                     _write_json(json_path, doc)
     finally:
-        if docker is not None:
+        stop.tearing_down()
+        if stop.fired:
+            console.print("  stopped by a signal: closing its sandboxes and removing what the run set up …")
+
+        async def teardown() -> None:
+            if docker is not None:
+                with contextlib.suppress(Exception):
+                    await docker.aclose_client()
+                console.print("  stopping the private dockerd and removing its data …")
+                await asyncio.to_thread(docker.stop)
+            if docker_fs is not None:
+                await asyncio.to_thread(docker_fs.destroy)
             with contextlib.suppress(Exception):
-                await docker.aclose_client()
-            console.print("  stopping the private dockerd and removing its data …")
-            await asyncio.to_thread(docker.stop)
-        if docker_fs is not None:
-            await asyncio.to_thread(docker_fs.destroy)
-        with contextlib.suppress(Exception):
-            await node.close_all()
-        with contextlib.suppress(Exception):
-            await client.aclose()
-        doc["leaks"] = leaks(home)
-        # everything mounted in the home goes (layers, upper pool, tmpfs dirs), even after a failed scenario
-        remaining = await homes.teardown(home, paths.store, remove=own_home and not doc["leaks"])
-        if remaining:
-            doc["leaks"].update(remaining.to_dict())
-            console.print(f"[red]still mounted after the teardown:[/red] {remaining.to_dict()}")
-        stop()
+                await _close_everything(node, console)
+            with contextlib.suppress(Exception):
+                await client.aclose()
+            doc["leaks"] = leaks(home)
+            # everything mounted in the home goes (layers, upper pool, tmpfs dirs), even after a failed scenario
+            remaining = await homes.teardown(home, paths.store, remove=own_home and not doc["leaks"])
+            if remaining:
+                doc["leaks"].update(remaining.to_dict())
+                console.print(f"[red]still mounted after the teardown:[/red] {remaining.to_dict()}")
+
+        # in a task of its own: a cancel delivered late (a signal just before the teardown) must not cut it short
+        await _finish(asyncio.ensure_future(teardown()))
+        stop.restore()
+    if stop.fired:
+        raise asyncio.CancelledError  # the teardown ran to its end; the caller reports the stop
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     if json_path:
         _write_json(json_path, doc)
@@ -261,6 +270,38 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     return doc
 
 
+async def _finish(task: asyncio.Future[None]) -> None:
+    """Wait for `task` to end even if this task is cancelled meanwhile (the cancel is passed on afterwards)."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _close_everything(node: Any, console: Console) -> None:
+    """Close every sandbox of the run's node in parallel, saying how far it got every few seconds (10,000
+    sandboxes take a while even in parallel)."""
+    t0 = time.monotonic()
+    last = [t0]
+    done = [0]
+
+    def tick(_sid: str, _err: BaseException | None) -> None:
+        done[0] += 1
+        now = time.monotonic()
+        if now - last[0] >= 5.0:
+            last[0] = now
+            console.print(f"  closed {done[0]} sandboxes ({now - t0:.0f} s) …")
+
+    n = await node.close_all(on_done=tick)
+    if n >= 100:
+        console.print(f"  closed {n} sandboxes in {time.monotonic() - t0:.1f} s")
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -268,25 +309,52 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _cancel_on_signals() -> Callable[[], None]:
-    """SIGTERM and SIGHUP cancel the run once (like Ctrl-C), so its teardown still unmounts everything;
-    returns the function that puts the default handlers back."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    fired = False
+class _SignalStop:
+    """SIGTERM and SIGHUP cancel the run (like Ctrl-C), so its teardown still unmounts everything.
 
-    def cancel() -> None:
-        nonlocal fired
-        if not fired and task is not None:  # a second signal must not interrupt the teardown
-            fired = True
-            task.cancel()
+    A cancel can be swallowed on its way (code that waits for a task it cancelled, a cleanup that must not be
+    interrupted): the run is cancelled again every `RETRY_S` until it reaches its teardown (`tearing_down()`),
+    so a run that already hit an error, or sits in such a wait, still stops. Signals during the teardown are
+    ignored: it must finish to leave the host clean."""
 
-    sigs = (signal.SIGTERM, signal.SIGHUP)
-    for sig in sigs:
-        loop.add_signal_handler(sig, cancel)
+    RETRY_S = 1.0
 
-    def restore() -> None:
-        for sig in sigs:
-            loop.remove_signal_handler(sig)
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.fired = False
+        self._teardown = False
+        self._retry: asyncio.TimerHandle | None = None
+        self.sigs = (signal.SIGTERM, signal.SIGHUP)
+        for sig in self.sigs:
+            self.loop.add_signal_handler(sig, self._cancel)
 
-    return restore
+    def _cancel(self) -> None:
+        self.fired = True
+        if self._teardown or self.task is None or self.task.done():
+            return
+        self.task.cancel()
+        if self._retry is None:
+            self._retry = self.loop.call_later(self.RETRY_S, self._again)
+
+    def _again(self) -> None:
+        self._retry = None
+        self._cancel()
+
+    def tearing_down(self) -> None:
+        """The run reached its teardown: no more cancels (a cancel already delivered stays delivered)."""
+        self._teardown = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+
+    def restore(self) -> None:
+        """Put the default handlers back."""
+        self.tearing_down()
+        for sig in self.sigs:
+            self.loop.remove_signal_handler(sig)
+
+
+def _cancel_on_signals() -> _SignalStop:
+    """Install the run's signal handling (see _SignalStop)."""
+    return _SignalStop()

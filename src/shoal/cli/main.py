@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -196,24 +197,36 @@ def ls(as_json: Annotated[bool, typer.Option("--json")] = False,
 @app.command("rm")
 def rm(sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
        all_: Annotated[bool, typer.Option("--all", help="remove every sandbox")] = False,
+       parallel: Annotated[int, typer.Option("--parallel", min=1, help="closes at once")] = 64,
        url: UrlOpt = None) -> None:
-    """Remove sandboxes (everything they had on the host goes with them)."""
+    """Remove sandboxes (everything they had on the host goes with them), many at once."""
     if not sandbox_ids and not all_:
         err_console.print("[red]error:[/red] give sandbox IDs or --all")
         raise typer.Exit(2)
 
     async def go() -> int:
+        from rich.progress import Progress
+
         async with make_client(url) as client:
             ids = [i.id for i in await client.list()] if all_ else list(sandbox_ids or [])
             bad = 0
-            for sid in ids:
-                try:
-                    sb = await client.get(sid)
-                    await sb.close()
-                except Exception as e:
-                    bad += 1
-                    err_console.print(f"[red]error:[/red] {sid}: {e}")
-            err_console.print(f"removed {len(ids) - bad} sandbox(es)")
+            sem = asyncio.Semaphore(parallel)
+            t0 = time.monotonic()
+            with Progress(console=err_console, transient=True, disable=len(ids) < 50) as progress:
+                task = progress.add_task(f"removing {len(ids)} sandboxes", total=len(ids))
+
+                async def one(sid: str) -> None:
+                    nonlocal bad
+                    async with sem:
+                        try:
+                            await client.transport.close(sid)
+                        except Exception as e:
+                            bad += 1
+                            err_console.print(f"[red]error:[/red] {sid}: {e}")
+                    progress.advance(task)
+
+                await asyncio.gather(*(one(sid) for sid in ids))
+            err_console.print(f"removed {len(ids) - bad} sandbox(es) in {time.monotonic() - t0:.1f} s")
             return 1 if bad else 0
 
     raise typer.Exit(run_async(go))

@@ -255,30 +255,34 @@ def fork(sandbox_id: str, n: Annotated[int, typer.Option("-n", help="how many ch
 
 # ---- node swap ---------------------------------------------------------------------------------
 @node_app.command("swap")
-def node_swap(zram: Annotated[str | None, typer.Option(help="set up zram swap of this size, e.g. 8G")] = None,
+def node_swap(zram: Annotated[str | None, typer.Option(help="make the zram swap this size, e.g. 16G (a zram "
+                                                       "swap of another size is read back and replaced)")] = None,
+              auto: Annotated[bool, typer.Option("--auto", help="the size a node picks by itself: half the RAM, "
+                                                 "at most 8G")] = False,
               off: Annotated[bool, typer.Option("--off", help="turn zram swap off (reads pages back first)")] = False,
               algorithm: Annotated[str | None, typer.Option(help="zram compression (default: best offered)")] = None,
               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Show or set up swap for paused sandboxes: `shoal node swap --zram 8G` (compressed, in RAM)."""
+    """Show or change the swap paused sandboxes go to. A node makes zram swap by itself on a host without any
+    (SHOAL_ZRAM_SWAP=auto: half the RAM, at most 8G); `--zram 16G` / `--auto` resize it, `--off` removes it."""
     from shoal.errors import ShoalError
-    from shoal.node import reclaim
+    from shoal.node import reclaim, swap
 
     try:
-        if zram and off:
-            err_console.print("[red]error:[/red] give --zram SIZE or --off, not both")
+        if sum(bool(x) for x in (zram, auto, off)) > 1:
+            err_console.print("[red]error:[/red] give one of --zram SIZE, --auto or --off")
             raise typer.Exit(2)
-        if zram:
-            z = reclaim.setup_zram_swap(zram, algorithm=algorithm)
-            err_console.print(f"zram swap on /dev/{z.name}: {z.disksize / 2**30:.1f} GiB, {z.algorithm}")
+        if zram or auto:
+            d = swap.resize("auto" if auto else str(zram), algorithm=algorithm)
+            err_console.print(f"zram swap on /dev/{d.device}: {d.size / 2**30:.1f} GiB")
         elif off:
-            done = reclaim.teardown_zram_swap()
+            done = swap.turn_off()
             err_console.print(f"zram swap off ({', '.join(done) or 'none was on'})")
     except ShoalError as e:
         err_console.print(f"[red]error:[/red] {e.message}")
         raise typer.Exit(1) from None
     st = reclaim.swap_status()
     if as_json:
-        print(json.dumps(st, indent=1))
+        print(json.dumps({**st, "made_by_node": swap.made_by_node(), "auto_size": swap.auto_size()}, indent=1))
         return
     t = Table(title="swap")
     for col in ("device", "type", "size", "used", "prio", "zram data -> memory"):
@@ -288,8 +292,12 @@ def node_swap(zram: Annotated[str | None, typer.Option(help="set up zram swap of
         z = zr.get(s["path"])
         ratio = (f"{_mib(z['orig_data_size'])} -> {_mib(z['mem_used_total'])} ({z['algorithm']})" if z else "")
         t.add_row(s["path"], s["type"], _mib(s["size_kb"] * 1024), _mib(s["used_kb"] * 1024), str(s["priority"]), ratio)
-    console.print(t if st["swap"] else "no swap: paused sandboxes give back page cache only "
-                  "(`shoal node swap --zram 8G` to reclaim anonymous memory too)")
+    console.print(t if st["swap"] else "no swap: paused sandboxes give back page cache only until a node "
+                  "starts (SHOAL_ZRAM_SWAP=auto makes zram then) — or now: `shoal node swap --auto`")
+    made = swap.made_by_node()
+    if made:
+        console.print(f"/dev/{made['device']} was made by a node (SHOAL_ZRAM_SWAP={made.get('setting')}); node "
+                      f"processes relying on it: {len(swap.live_users())}")
     if st["zswap"].get("enabled") in ("Y", "1"):
         console.print(f"zswap on ({st['zswap'].get('compressor')})")
 

@@ -58,6 +58,11 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="shray-", dir="/tmp")
+        # Ray notes the head's address in its *default* temp dir whatever temp_dir says (/tmp/ray/ray_current_cluster)
+        # and fails when that directory does not exist yet: on a fresh machine, where no Ray ran before
+        from ray._common.utils import get_default_ray_temp_dir
+
+        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
             node_ip_address="127.0.0.1", gcs_server_port=_free_port(), include_dashboard=False,
             # Ray's head defaults to fixed ports for these (52365 …): other clusters on this host may hold them

@@ -343,6 +343,7 @@ class DockerBuild:
         self.name = parse_ref(opts.tag).name
         self.n_steps = 0
         self.step_no = 0
+        self._host_dirs: list[Path] = []
 
     # ---- entry -----------------------------------------------------------------------------
     async def build(self) -> BuildResult:
@@ -835,9 +836,10 @@ class DockerBuild:
         desc = {"copy": content_key, "dst": dst, "chown": chown, "chmod": chmod, "keep_owner": keep_owner,
                 "add": extract}
 
-        async def action(sid: str) -> None:
+        async def action(sid: str) -> Path | None:
             try:
-                await self._copy_into(sid, st, entries, dst, dir_dst, chown, chmod, keep_owner, extract, where, cmd)
+                return await self._copy_into(sid, st, entries, dst, dir_dst, chown, chmod, keep_owner, extract,
+                                             where, cmd)
             finally:
                 for t in tmp_holder:
                     t.cleanup()
@@ -985,6 +987,8 @@ class DockerBuild:
     async def _export_one(self, sid: str, path: str, dest: Path, where: str, cmd: str) -> str:
         """Stream `path` out of the sandbox as a tar, into `dest`/<basename>; returns its type."""
         parent, base = posixpath.split(path.rstrip("/") or "/")
+        if not await self._has_tar(sid):
+            return await self._export_walk(sid, path, dest / (base or "."), where, cmd, top=True)
         argv = ["tar", "-c", "-f", "-", "-C", parent or "/", base or "."]
         # the top of the source is followed when it is a symlink (-h only for the top would need GNU tar's
         # --dereference for all); resolve it first
@@ -1022,19 +1026,46 @@ class DockerBuild:
             kind = "dir"
         return kind
 
+    async def _export_walk(self, sid: str, path: str, host: Path, where: str, cmd: str, top: bool = False) -> str:
+        """COPY --from an image without tar: its files through the agent (read, list, stat), owners kept."""
+        client = await self.node.client(sid)
+        try:
+            s = await client.stat(path)
+        except ShoalError:
+            if top:
+                raise InvalidRequest(f"{where}: {cmd} --from: {path}: not found in the source image") from None
+            raise
+        kind = s.get("type")
+        if kind == "dir":
+            host.mkdir(exist_ok=True)
+            for e in await client.list_dir(path):
+                await self._export_walk(sid, posixpath.join(path, e.name), host / e.name, where, cmd)
+        elif kind == "file":
+            host.write_bytes(await client.read_file(path))
+        else:
+            raise ImageBuildError(f"{where}: {cmd} --from: {path} is a {kind}: the source image has no tar, and "
+                                  "only files and directories can be read from it without one")
+        os.chown(host, int(s["uid"]), int(s["gid"]))
+        os.chmod(host, int(s["mode"]) & 0o7777)
+        os.utime(host, (float(s["mtime"]), float(s["mtime"])))
+        return "dir" if kind == "dir" else "file"
+
     async def _copy_into(self, sid: str, st: _State, entries: list[_Src], dst: str, dir_dst: bool, chown: str,
-                         chmod: int | None, keep_owner: bool, extract: bool, where: str, cmd: str) -> None:
+                         chmod: int | None, keep_owner: bool, extract: bool, where: str, cmd: str) -> Path | None:
         client = await self.node.client(sid)
         uid = gid = 0
         if chown:
             uid, gid = await self._resolve_chown(client, chown, where, cmd)
+        has_tar = await self._has_tar(sid)
         # a single file source goes *into* dst when dst is an existing directory (BuildKit)
         if not dir_dst and len(entries) == 1 and not entries[0].is_dir:
             with contextlib.suppress(ShoalError):
-                r = await self.node.exec(sid, ["test", "-d", dst], cwd="/", user="0:0", timeout=60)
-                if r.exit_code == 0:
-                    dir_dst = True
-        tar_path = Path(tempfile.mkstemp(prefix="shoal-copy-", suffix=".tar", dir=self.store.tmp_dir)[1])
+                if has_tar:
+                    r = await self.node.exec(sid, ["test", "-d", dst], cwd="/", user="0:0", timeout=60)
+                    dir_dst = r.exit_code == 0
+                else:
+                    dir_dst = (await client.stat(dst)).get("type") == "dir"
+        tar_path = Path(tempfile.mkstemp(prefix="shoal-copy-", suffix=".tar", dir=self._local_tmp())[1])
         try:
             if dir_dst or len(entries) > 1 or entries[0].is_dir:
                 root = dst.rstrip("/") or "/"
@@ -1042,10 +1073,89 @@ class DockerBuild:
                 root = posixpath.dirname(dst.rstrip("/")) or "/"
             await asyncio.to_thread(_write_copy_tar, tar_path, entries, dst, dir_dst, root,
                                     None if keep_owner and not chown else (uid, gid), chmod, extract, self)
+            if not has_tar:
+                # no GNU tar in the image (scratch, distroless): the layer is made on the host instead
+                return await self._host_layer(sid, st, tar_path, root, (uid, gid) if chown else (0, 0), where, cmd)
             await self._mkdirs(sid, root, uid if chown else 0, gid if chown else 0)
             await self._untar(sid, tar_path, root, where, cmd)
         finally:
             tar_path.unlink(missing_ok=True)
+        return None
+
+    def _local_tmp(self) -> Path:
+        d = self.node.paths.home / "tmp"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    async def _has_tar(self, sid: str) -> bool:
+        """GNU tar in the image (COPY/ADD unpack with it; busybox's lacks --no-overwrite-dir)."""
+        try:
+            r = await self.node.exec(sid, ["tar", "--version"], cwd="/", user="0:0", timeout=60, max_output=4096)
+        except ShoalError:
+            return False
+        return r.exit_code == 0 and "GNU tar" in _text(r.stdout)
+
+    async def _host_layer(self, sid: str, st: _State, tar_path: Path, root: str, new_owner: tuple[int, int],
+                          where: str, cmd: str) -> Path:
+        """The layer of a COPY/ADD into an image without tar, built as a directory tree on the host: the files
+        under `root`, and every directory on the way with the image's own metadata (an overlay layer's
+        directory replaces the lower one's mode and owner) or, when new, 0755 and `new_owner`. A path that
+        goes through a symlink in the image is refused (it cannot be followed safely from the host)."""
+        client = await self.node.client(sid)
+        d = Path(tempfile.mkdtemp(prefix="shoal-layer-", dir=self._local_tmp()))
+        os.chmod(d, 0o755)
+        self._host_dirs.append(d)
+
+        async def image_stat(path: str) -> dict[str, Any] | None:
+            try:
+                return await client.stat(path)
+            except ShoalError:
+                return None
+
+        def apply(h: Path, s: dict[str, Any] | None, owner: tuple[int, int]) -> None:
+            if s is not None:
+                os.chown(h, int(s["uid"]), int(s["gid"]))
+                os.chmod(h, int(s["mode"]) & 0o7777)
+                os.utime(h, (float(s["mtime"]), float(s["mtime"])))
+            else:
+                os.chown(h, *owner)
+                os.chmod(h, 0o755)
+
+        async def mirror(path: str, owner: tuple[int, int]) -> None:
+            cur = ""
+            for part in [p for p in path.split("/") if p]:
+                cur += "/" + part
+                h = d / cur.lstrip("/")
+                if h.exists():
+                    continue
+                s = await image_stat(cur)
+                if s is not None and s.get("type") != "dir":
+                    raise ImageBuildError(f"{where}: {cmd}: {cur} is a {s.get('type')} in the image, which has no "
+                                          "tar to copy through it; copy to a path without symlinks")
+                h.mkdir()
+                apply(h, s, owner)
+
+        for path, user in st.pending_dirs:
+            owner = (0, 0)
+            if user and user not in ("root", "0", "0:0"):
+                with contextlib.suppress(ShoalError, ValueError):
+                    owner = await self._resolve_chown(client, user, "WORKDIR", "WORKDIR")
+            await mirror(path, owner)
+        await mirror(root, new_owner)
+        base = d / root.lstrip("/")
+        existing: dict[str, dict[str, Any]] = {}
+        with tarfile.open(tar_path) as tf:
+            for m in tf.getmembers():
+                if m.isdir():
+                    rel = posixpath.normpath(m.name)
+                    full = posixpath.normpath(posixpath.join(root, rel))
+                    s = await image_stat(full)
+                    if s is not None and s.get("type") == "dir":
+                        existing[rel] = s  # an existing directory keeps its metadata (tar --no-overwrite-dir)
+        await asyncio.to_thread(_safe_extract, tar_path, base)
+        for rel, s in existing.items():
+            apply(base / rel if rel != "." else base, s, (0, 0))
+        return d
 
     async def _mkdirs(self, sid: str, path: str, uid: int, gid: int) -> None:
         """mkdir -p `path`, the directories it creates owned by uid:gid (mode 0755)."""
@@ -1199,13 +1309,23 @@ class DockerBuild:
             sid = info.id
             try:
                 try:
-                    for path, user in pending:
-                        await self._workdir(sid, path, user)
-                    await action(sid)
+                    if await self._has_tar(sid):
+                        for path, user in pending:
+                            await self._workdir(sid, path, user)
+                    host_tree = await action(sid)
                 except (ImageBuildError, InvalidRequest):
                     raise
                 except ShoalError as e:
                     raise ImageBuildError(f"`{text[:200]}` could not run: {e.message}") from None
+                source = {"type": "dockerfile-step", "image": self.opts.tag, "desc": text[:500]}
+                if isinstance(host_tree, Path):
+                    lay = await asyncio.to_thread(self.store.add_layer_from_dir, host_tree, source)
+                    return lay.digest
+                if pending and not await self._has_tar(sid):
+                    # a WORKDIR alone in an image without tar: its directories, made on the host
+                    tree = await self._host_layer_dirs(sid, st)
+                    lay = await asyncio.to_thread(self.store.add_layer_from_dir, tree, source)
+                    return lay.digest
                 await _freeze(self.node, sid)
                 rec = self.node.record(sid)
                 upper = self.node.backend(rec.backend).upper_dir(rec)
@@ -1216,7 +1336,6 @@ class DockerBuild:
                                             [d.split(":", 1)[1] for d in layers], self.node)
                 if await asyncio.to_thread(upper_is_empty, Path(upper), bool(network)):
                     return None
-                source = {"type": "dockerfile-step", "image": self.opts.tag, "desc": text[:500]}
                 disk_mb = int(rec.spec.get("disk_mb") or 4096)
                 layer = await asyncio.to_thread(
                     lambda: pack_upper(self.store, Path(upper), source, clean=True, network=bool(network),
@@ -1228,6 +1347,19 @@ class DockerBuild:
                     await self.node.close(sid)
         finally:
             cleanup()
+            for hd in self._host_dirs:
+                shutil.rmtree(hd, ignore_errors=True)
+            self._host_dirs.clear()
+
+    async def _host_layer_dirs(self, sid: str, st: _State) -> Path:
+        """The directories of pending WORKDIRs as a host tree (an image without tar)."""
+        empty = Path(tempfile.mkstemp(prefix="shoal-empty-", suffix=".tar", dir=self._local_tmp())[1])
+        try:
+            with tarfile.open(empty, "w"):
+                pass
+            return await self._host_layer(sid, st, empty, "/", (0, 0), "WORKDIR", "WORKDIR")
+        finally:
+            empty.unlink(missing_ok=True)
 
     async def _workdir(self, sid: str, path: str, user: str) -> None:
         """WORKDIR: mkdir -p, new directories owned by the current USER (BuildKit)."""

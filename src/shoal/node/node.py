@@ -38,7 +38,7 @@ from shoal.node.context import NodeContext
 from shoal.node.dataplane import DataPlane
 from shoal.node.faults import crash_point
 from shoal.node.pool import WarmPool
-from shoal.node.records import SandboxRecord, check_sandbox_id, list_records
+from shoal.node.records import SandboxRecord, check_sandbox_id, forget_record, list_records
 from shoal.node.recovery import Recovery
 from shoal.node.statelock import SandboxLocks
 
@@ -48,12 +48,15 @@ if TYPE_CHECKING:
     from shoal.backends.runtime import RuntimeStatus
     from shoal.node.network import NetworkManager
     from shoal.node.protect import Protection
+    from shoal.node.swap import SwapDecision
     from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
 #: largest n of one create_many or fork
 MAX_BATCH = 100_000
+#: closes run at once by close_all / close_many (a close mostly waits: for a killed init, a cgroup, an unmount)
+CLOSE_CONCURRENCY = 64
 
 
 class Node(DataPlane):
@@ -70,8 +73,13 @@ class Node(DataPlane):
         self.guest_dir = self.paths.home / "guest"
         #: what fits on this node (memory committed, limit, free): see shoal.node.admission
         self.admission = Admission(self.config)
-        #: open agent connections by sandbox ID
-        self.connections = AgentConnections()
+        #: open agent connections by sandbox ID (closed when idle: shoal.node.connections)
+        self.connections = AgentConnections(idle_s=self.config.agent_idle_s)
+        from shoal.node.capacity import HostCapacity
+        from shoal.node.network import BRIDGE
+
+        #: descriptors, PIDs, inotify watches, bridge ports: what a create needs besides memory
+        self.capacity = HostCapacity(bridge=BRIDGE, inotify_in_use=self._inotify_watches)
         #: per-sandbox state locks (pause, resume, snapshot, close)
         self.locks = SandboxLocks(self.paths.locks)
         #: reconcile, adopt and reap
@@ -105,6 +113,10 @@ class Node(DataPlane):
         self._statuses: dict[str, RuntimeStatus] | None = None
         self._network: NetworkManager | None = None
         self._started = False
+        #: what start() did about swap (shoal.node.swap): made a zram device, kept the host's, or nothing
+        self.swap: SwapDecision | None = None
+        #: this process's RLIMIT_NOFILE (soft, hard) after start() raised it
+        self.nofile: tuple[int, int] | None = None
         #: what the node did to keep itself and the host out of the OOM killer's reach (shoal.node.protect)
         self.protection: Protection | None = None
 
@@ -113,7 +125,11 @@ class Node(DataPlane):
         """Install the guest agent, re-adopt or clean up sandboxes left by earlier processes, start the reaper."""
         if self._started:
             return self
-        _raise_nofile()
+        from shoal.node.capacity import raise_nofile
+
+        # descriptors must not be what limits the sandboxes a node holds (issue 24)
+        self.nofile = raise_nofile()
+        self.capacity.refresh()
         self._install_guest_agent()
         if self.config.protect_host and not self.protection:
             from shoal.node.protect import protect_host
@@ -123,11 +139,12 @@ class Node(DataPlane):
             self.protection = await asyncio.to_thread(
                 protect_host, reserve_mb=cfg.host_reserve_mb, node_oom_score_adj=cfg.node_oom_score_adj,
                 node_memory_min_mb=cfg.node_memory_min_mb)
-        if self.config.zram_swap:
-            from shoal.node.reclaim import setup_zram_swap
+        if self.config.zram_swap and not self.config.fake_backend and self.swap is None:
+            from shoal.node.swap import start_for_node
 
-            # compressed swap in RAM is what lets pause() return a sandbox's anonymous memory
-            await asyncio.to_thread(setup_zram_swap, self.config.zram_swap)
+            # compressed swap in RAM is what lets pause() return a sandbox's anonymous memory: a host with no
+            # swap gets it from the node (SHOAL_ZRAM_SWAP=auto), not from what earlier runs left behind
+            self.swap = await asyncio.to_thread(start_for_node, self.config.zram_swap)
         if reconcile:
             await self.reconcile()
             with contextlib.suppress(Exception):
@@ -135,6 +152,7 @@ class Node(DataPlane):
         if reap:
             self.recovery.start_reaper()
             self.scheduling.start()
+            self.connections.start()
         self._started = True
         if self.config.warm_pool:
             from shoal.spec import SandboxSpec
@@ -215,6 +233,24 @@ class Node(DataPlane):
             b = self._backends[name] = create_backend(name, self.context)
         return b
 
+    def table_sizes(self) -> dict[str, int]:
+        """How many entries the node keeps in each per-sandbox table now (admission, last use, connections,
+        parsed records, state locks, swap watches): what `shoal bench soak` checks stays flat under churn."""
+        from shoal.node import records
+
+        b = self._backends.get("container")
+        sw = getattr(b, "swap_watch", None)
+        return {"admission_live": len(self.admission.live_ids()), "last_used": len(self.scheduling.last_used),
+                "connections": len(self.connections), "parsed_records": records.cached_records(),
+                "state_locks": self.locks.held(), "swap_watches": len(sw) if sw is not None else 0,
+                "reclaimed": len(self.reclaimed)}
+
+    def _inotify_watches(self) -> int:
+        # the swap watch's inotify watches (cgroup v2 hosts: one per watched sandbox; v1 uses none)
+        b = self._backends.get("container")
+        sw = getattr(b, "swap_watch", None)
+        return len(sw) if sw is not None and sw.mode == "v2" else 0
+
     def fncall(self) -> FncallManager:
         """The node's fncall service (warm pools for run_code), created on first use; stop() closes it."""
         from shoal.backends.fncall import FncallBackend
@@ -294,7 +330,11 @@ class Node(DataPlane):
             backend.require(Capability.NETWORK)
         if isinstance(spec.network, list) or spec.egress_mbps:
             backend.require(Capability.EGRESS_RULES)
+        refused = self.capacity.check(spec)
+        if refused is not None:
+            raise refused
         res = reservation if reservation is not None else await self.scheduling.admit(spec)
+        self.capacity.in_flight += 1
         try:
             rec = self.context.new_record(
                 backend=spec.backend, image=image.ref, image_digest=image.digest,
@@ -315,11 +355,21 @@ class Node(DataPlane):
                     raise
                 raise SandboxError(f"sandbox {rec.id} started but its agent did not answer: {e}") from e
             crash_point("create.connected")
-        except BaseException:
+        except BaseException as e:
             res.release()
+            self.capacity.in_flight -= 1
+            from shoal.node.capacity import from_oserror
+
+            # a resource that ran out mid-way (the backend cleaned up): a refusal naming it, never a raw OSError
+            cap = from_oserror(e) if isinstance(e, Exception) and not isinstance(e, ShoalError) else None
+            if cap is None and isinstance(e, SandboxError):
+                cap = from_oserror(e)
+            if cap is not None:
+                raise cap from e
             raise
+        self.capacity.in_flight -= 1
         res.commit(rec.id)
-        self.connections.put(rec.id, client)
+        self.connections.put(rec.id, client, idle_close=backend.idle_close)
         rec.state = "running"
         rec.save()
         if not rec.extra.get("pool"):
@@ -433,19 +483,47 @@ class Node(DataPlane):
                     self.events.emit("closed", sandbox_id, rec.project, reason=reason,
                                      lived_s=round(time.time() - rec.created_at, 3))
         self.locks.forget(sandbox_id)
+        forget_record(rec.path)
         if rec.extra.get("forked"):
             from shoal.node.snapshot import drop_fork_snapshots
 
             await asyncio.to_thread(drop_fork_snapshots, self.store, rec)
 
-    async def close_all(self, project: str | None = None) -> int:
-        """Close every sandbox (of one project); returns how many were closed."""
-        recs = [r for r in list_records(self.paths.sandboxes) if project is None or r.project == project]
-        results = await asyncio.gather(*(self.close(r.id) for r in recs), return_exceptions=True)
-        errs = [r for r in results if isinstance(r, BaseException) and not isinstance(r, SandboxNotFound)]
+    async def close_all(self, project: str | None = None, *, concurrency: int | None = None,
+                        on_done: Callable[[str, BaseException | None], None] | None = None) -> int:
+        """Close every sandbox (of one project), `concurrency` at a time (see `close_many`); returns how
+        many were closed."""
+        recs = await asyncio.to_thread(list_records, self.paths.sandboxes)  # 10,000 records: off the loop
+        ids = [r.id for r in recs if project is None or r.project == project]
+        await self.close_many(ids, concurrency=concurrency, on_done=on_done)
+        return len(ids)
+
+    async def close_many(self, sandbox_ids: builtins.list[str], *, concurrency: int | None = None,
+                         on_done: Callable[[str, BaseException | None], None] | None = None) -> None:
+        """Close these sandboxes in parallel, at most `concurrency` at a time (default CLOSE_CONCURRENCY):
+        a close is mostly waiting (a killed init to exit, a cgroup to empty, an unmount), so 10,000 of them
+        take the time the machine needs for the work, not 10,000 waits in a row — while a bound keeps the
+        descriptors and threads they hold in check. Raises the first error (after every close ran);
+        `on_done(id, error)` is called as each ends."""
+        sem = asyncio.Semaphore(max(1, concurrency or CLOSE_CONCURRENCY))
+        errs: builtins.list[BaseException] = []
+
+        async def one(sid: str) -> None:
+            err: BaseException | None = None
+            async with sem:
+                try:
+                    await self.close(sid)
+                except SandboxNotFound:
+                    pass
+                except Exception as e:
+                    err = e
+                    errs.append(e)
+            if on_done is not None:
+                on_done(sid, err)
+
+        await asyncio.gather(*(one(sid) for sid in sandbox_ids))
         if errs:
             raise errs[0]
-        return len(recs)
 
     # ---- queries ------------------------------------------------------------------------------
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -519,6 +597,9 @@ class Node(DataPlane):
             if not getattr(c, "closed", False):
                 raise
             self.connections.forget(rec.id, c)
+            if getattr(c, "closed_idle", False):
+                # the idle sweep closed it between our get and the request (shoal.node.connections): once more
+                return await fn(await self.client(rec.id, rec))
             if not self.backend(rec.backend).alive(rec):
                 raise SandboxError(f"sandbox {rec.id} died: {e}") from e
             raise
@@ -692,16 +773,6 @@ def _with_memory(backend: Backend, memory: bool | None, cap: Capability) -> bool
     if memory is None:
         return not backend.can(Capability.SNAPSHOT_FILES) and backend.can(cap)
     return bool(memory)
-
-
-def _raise_nofile() -> None:
-    # one agent connection per live sandbox: 5,000 sandboxes need more than the usual soft limit of 1,024
-    import resource
-
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _spec_dict(spec: SandboxSpec) -> dict[str, Any]:

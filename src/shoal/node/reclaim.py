@@ -9,7 +9,8 @@ kernel to reclaim the sandbox's whole memory cgroup:
 
 Page cache and reclaimable slab (dentries, inodes) always go. Anonymous memory (heaps, stacks, tmpfs)
 can only go to swap: without swap it stays. The node can set up compressed swap in RAM (zram) with
-`shoal node swap --zram 8G` or `SHOAL_ZRAM_SWAP=8G`; then anonymous pages are compressed (typically
+`shoal node swap --zram 8G` or `SHOAL_ZRAM_SWAP=8G` — and by default, on a host with no swap, the node
+makes one itself (shoal.node.swap); then anonymous pages are compressed (typically
 3-5x for program memory, near 100x for zero-filled buffers) and the paused sandbox keeps only kernel
 memory that cannot be reclaimed (page tables, unreclaimable slab).
 
@@ -139,8 +140,10 @@ def _zram_available() -> bool:
     return Path("/sys/class/zram-control").is_dir() or any(Path("/sys/block").glob("zram*"))
 
 
-def setup_zram_swap(size: int | str, algorithm: str | None = None, priority: int = 100) -> ZramDevice:
-    """Make a zram device of `size` bytes and swap on it (idempotent: an existing zram swap is kept).
+def setup_zram_swap(size: int | str, algorithm: str | None = None, priority: int = 100, *,
+                    new: bool = False) -> ZramDevice:
+    """Make a zram device of `size` bytes and swap on it (idempotent: an existing zram swap is kept, unless
+    `new`: then another device is made beside it).
 
     `algorithm` defaults to the best ratio the kernel offers (zstd, then lzo-rle, then lz4).
     """
@@ -148,7 +151,7 @@ def setup_zram_swap(size: int | str, algorithm: str | None = None, priority: int
         raise BackendUnavailable("setting up swap needs root")
     size_b = parse_size(size)
     for z in zram_devices():
-        if z.swap:
+        if z.swap and not new:
             return z
     if not _zram_available():
         run_sync(["modprobe", "zram"], timeout=30)
@@ -192,13 +195,16 @@ def _free_zram() -> str:
     raise BackendUnavailable("every zram device is in use and this kernel cannot add one (no zram-control)")
 
 
-def teardown_zram_swap() -> list[str]:
-    """Turn off swap on every zram device and free its memory; returns the devices turned off.
+def teardown_zram_swap(devices: list[str] | None = None) -> list[str]:
+    """Turn off swap on every zram device (or only those named, e.g. ["zram1"]) and free its memory;
+    returns the devices turned off.
 
     swapoff reads every swapped page back into RAM first: it needs that much free memory.
     """
     done = []
     for z in zram_devices():
+        if devices is not None and z.name not in devices:
+            continue
         if z.swap:
             r = run_sync(["swapoff", f"/dev/{z.name}"], timeout=3600)
             if r.returncode != 0:

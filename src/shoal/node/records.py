@@ -178,6 +178,16 @@ _FIELD_SET = frozenset(_FIELDS)
 _parsed: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
 
 
+def cached_records() -> int:
+    """Parsed records kept in the cache now."""
+    return len(_parsed)
+
+
+def forget_record(sandbox_dir: Path) -> None:
+    """Drop a closed sandbox's parsed record from the cache (a node that runs for days closes millions)."""
+    _parsed.pop(os.path.join(sandbox_dir, "record.json"), None)
+
+
 def _copy(v: Any) -> Any:
     # callers may change a loaded record: never hand out the cached containers themselves (JSON data:
     # only dicts and lists are mutable)

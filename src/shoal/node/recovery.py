@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: a sandbox directory without a record is a half-made one once it is this old (seconds)
 HALF_MADE_AGE_S = 60.0
+#: how long stop_reaper waits for a close in progress before cancelling it (seconds)
+STOP_WAIT_S = 30.0
 
 
 class Recovery:
@@ -35,6 +37,8 @@ class Recovery:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._reaper: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._wake = asyncio.Event()
 
     # ---- adopt ---------------------------------------------------------------------------------
     def alive(self, rec: SandboxRecord) -> bool:
@@ -138,37 +142,51 @@ class Recovery:
         # in a thread: with 2,000 sandboxes the scan took 50-480 ms on a busy host, all of it an event-loop
         # stall for every request the node was serving (a probe's exec p99 during memory bombs)
         for rec, dead in await asyncio.to_thread(self.due, time.time()):
+            if self._stopping:
+                break  # the node stops: the next node process reaps the rest
             if not rec.extra.get("pool"):
                 if dead:
                     self.node.events.emit("lost", rec.id, rec.project, reason="its init process is gone")
                 else:
                     self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.spec.get("ttl_s"))
-            with contextlib.suppress(SandboxNotFound):
-                try:
-                    await self.node.close(rec.id, reason="lost" if dead else "timeout")
-                    n += 1
-                except ShoalError as e:
-                    log.warning("reaper could not close %s: %s", rec.id, e)
+            try:
+                await self.node.close(rec.id, reason="lost" if dead else "timeout")
+                n += 1
+            except SandboxNotFound:
+                pass  # closed meanwhile (by its user, or a close_all)
+            except ShoalError as e:
+                log.warning("reaper could not close %s: %s", rec.id, e)
         return n
 
     def start_reaper(self) -> None:
         """Run `reap_once` in the background every `reap_interval_s` (longer when a scan is slow)."""
         if self._reaper is None:
+            self._stopping = False
+            self._wake = asyncio.Event()
             self._reaper = asyncio.create_task(self._reap_loop(), name="shoal-reaper")
 
     async def stop_reaper(self) -> None:
-        """Stop the background reaper."""
+        """Stop the background reaper. A close it is doing finishes first (cancelling it half-way would leave
+        a half-closed sandbox for the next reconcile); the rest of its round is left to the next node."""
         if self._reaper is not None:
-            self._reaper.cancel()
+            self._stopping = True
+            self._wake.set()
+            task, self._reaper = self._reaper, None
+            try:
+                await asyncio.wait_for(asyncio.shield(task), STOP_WAIT_S)
+            except TimeoutError:
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reaper
-            self._reaper = None
+                await task
 
     async def _reap_loop(self) -> None:
         interval = self.node.config.reap_interval_s
         pause = interval
-        while True:
-            await asyncio.sleep(pause)
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), pause)
+            if self._stopping:
+                return
             t0 = time.monotonic()
             with contextlib.suppress(Exception):
                 await self.reap_once()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -176,16 +177,18 @@ class NodeScheduling:
 
     # ---- the one-node view -------------------------------------------------------------------------
     def view(self, *, used: bool = False, backend: str = "container", policy: Policy | None = None,
-             project: str | None = None) -> Cluster:
+             project: str | None = None, last_used: dict[str, float] | None = None, snap: Any = None) -> Cluster:
         """This node as the scheduler sees it: promised and used memory, and every running sandbox
         (with its class, job, last call and — `used=True` — the memory pausing it would give back: its
         cgroup's charge less page cache). The node counts as offering `backend` (the one the request is
         for; a node's own view needs no filter). `policy`: decide with these knobs instead of the node's.
         `project`: only that project's sandboxes are candidates to pause (the others still count in the
-        node's figures)."""
+        node's figures). Blocking (reads every record): from the event loop, `view_async` runs it in a
+        thread with a snapshot of `last_used` (which creates and closes change meanwhile)."""
         from shoal.node.records import list_records
 
-        snap = self.node.admission.snapshot()
+        last_used = self.last_used if last_used is None else last_used
+        snap = snap or self.node.admission.snapshot()
         total, avail = _meminfo_mb()
         state = NodeState.new(self.node.config.node_id, cpus=_cpu_count(), memory_mb=max(1, total),
                               policy=self.policy, cpu_overcommit=1e9,
@@ -217,8 +220,17 @@ class NodeScheduling:
                 used_mb = (SandboxCgroup(rec.cgroup).working_set_bytes() or 0) >> 20
             cluster.track(SandboxView(rec.id, state.node_id, int(rec.spec.get("memory_mb", 0)),
                                       float(rec.spec.get("cpus", 1.0)), jl.priority, jl.job, rec.project,
-                                      rec.state, self.last_used.get(rec.id, rec.created_at or now), used_mb))
+                                      rec.state, last_used.get(rec.id, rec.created_at or now), used_mb))
         return cluster
+
+    async def view_async(self, *, used: bool = False, backend: str = "container",
+                         policy: Policy | None = None, project: str | None = None) -> Cluster:
+        """`view` off the event loop (with 10,000 sandboxes it reads 10,000 records), over a snapshot of
+        `last_used` taken here, on the loop."""
+        # the tables the event loop changes are read here, on the loop; the records in the thread
+        return await asyncio.to_thread(functools.partial(self.view, used=used, backend=backend, policy=policy,
+                                                         project=project, last_used=dict(self.last_used),
+                                                         snap=self.node.admission.snapshot()))
 
     def request(self, spec: SandboxSpec, jl: JobLabels | None = None) -> Request:
         """A spec as the scheduler's Request."""
@@ -261,7 +273,7 @@ class NodeScheduling:
             if len(held) < n and self.preempt_enabled and jl.priority + self.policy.preempt_gap < len(
                     self.policy.priorities):
                 req = self.request(spec, jl)
-                cluster = self.view(backend=req.backend, project=self._victims_of(req))
+                cluster = await self.view_async(backend=req.backend, project=self._victims_of(req))
                 extra = plan_preemption(req, n - len(held), cluster, time.time())
                 if sum(k for k, _ in extra.values()) >= n - len(held):
                     await self._pause_all([v.id for _, vs in extra.values() for v in vs], "preempt")
@@ -295,7 +307,8 @@ class NodeScheduling:
         return None if self.preempt_across_projects else req.project
 
     async def _preempt(self, req: Request, n: int) -> list[str]:
-        plan = plan_preemption(req, n, self.view(backend=req.backend, project=self._victims_of(req)), time.time())
+        plan = plan_preemption(req, n, await self.view_async(backend=req.backend, project=self._victims_of(req)),
+                               time.time())
         victims = [v.id for _, vs in plan.values() for v in vs]
         await self._pause_all(victims, "preempt")
         return victims
@@ -335,7 +348,7 @@ class NodeScheduling:
                              tide_idle_s=policy.tide_idle_s if idle_s is None else idle_s)
         elif used < policy.tide_high * total:
             return []
-        cluster = self.view(used=True, policy=policy)
+        cluster = await self.view_async(used=True, policy=policy)
         victims = [v.id for v in plan_tides(self.node.config.node_id, cluster, time.time())][:MAX_PAUSED_PER_PASS]
         paused = await self._pause_all_ids(victims, by)
         _, avail_after = _meminfo_mb()
@@ -405,12 +418,15 @@ class NodeScheduling:
         if self.trace is not None:
             self.trace.close()
 
-    def sample_working_sets(self, k: int = 8) -> int:
-        """Measure the working sets of `k` running sandboxes picked at random and hand them to admission
-        (its estimate of what a new sandbox takes). Returns how many were measured."""
+    def sample_working_sets(self, k: int = 8, ids: list[str] | None = None) -> int:
+        """Measure the working sets of `k` running sandboxes picked at random (from `ids`, a snapshot of
+        `last_used` taken on the event loop, when this runs in a thread) and hand them to admission (its
+        estimate of what a new sandbox takes). Returns how many were measured."""
         from shoal.host.cgroups import SandboxCgroup
 
-        ids = [sid for sid in self.last_used]
+        # never iterate last_used itself from a thread: creates and closes change it meanwhile ("dictionary
+        # changed size during iteration" ended tide passes under churn, issue 24)
+        ids = list(self.last_used) if ids is None else ids
         done = 0
         for sid in random.sample(ids, min(k, len(ids))):
             try:
@@ -434,7 +450,7 @@ class NodeScheduling:
             tick += 1
             try:
                 if tick % 5 == 1:
-                    await asyncio.to_thread(self.sample_working_sets)
+                    await asyncio.to_thread(self.sample_working_sets, 8, list(self.last_used))
                 total, avail = _meminfo_mb()
                 if total and total - avail >= self.policy.tide_high * total and time.monotonic() >= self._quiet_until:
                     async with self._lock:

@@ -51,6 +51,10 @@ class SandboxLocks:
             finally:
                 os.close(fd)
 
+    def held(self) -> int:
+        """In-process locks kept now (one per sandbox that was locked and not yet closed)."""
+        return len(self._held)
+
     def forget(self, sandbox_id: str) -> None:
         """The sandbox is gone: remove its lock file and in-process lock."""
         lock = self._held.get(sandbox_id)

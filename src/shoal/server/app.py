@@ -248,6 +248,9 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
             yield
         finally:
             await state.view.stop()
+            from shoal.server import compat
+
+            await compat.stop(state)
             if manage_node:
                 # crash-only: sandboxes keep running; the next server re-adopts them
                 await node.stop()

@@ -47,12 +47,20 @@ class DensityParams:
                             "policy's best case, to compare with)")
     abuse_s: float = param(20.0, quick=8.0, help="seconds over which the bombs go off")
     probe_n: int = param(300, quick=100, help="probe execs measured before and after the bombs")
+    exec_all: bool = param(True, help="exec in every sandbox once the target is reached (else a sample of 50)")
     holders: int = param(16, quick=6, help="idle sandboxes holding memory in the pressure phase (0: skip)")
     hold_mb: int = param(48, quick=32, help="MiB each holder's Python process keeps")
 
 MIB = 2**20
 #: stop adding sandboxes when the host has less memory available than this
 FLOOR_BYTES = 2 * 2**30
+
+
+def _node_figures() -> dict[str, Any]:
+    """The node process's descriptors, threads and RSS (MiB) now."""
+    from shoal.bench.scenarios.soak import process_figures
+
+    return process_figures(["self"])
 
 
 def _self_rss() -> int:
@@ -103,6 +111,8 @@ async def shoal_density(ctx: BenchContext, target: int, step: int, sz: DensityPa
     stop_reason = f"reached the target of {target}"
     abuse: dict[str, Any] | None = None
     snap0 = node.admission.snapshot()
+    await node.connections.sweep()
+    fds0 = _node_figures()["fds"]
     t0 = time.perf_counter()
     with ctx.task(f"shoal: up to {target} idle sandboxes", target) as adv:
         while len(ids) < target:
@@ -114,9 +124,12 @@ async def shoal_density(ctx: BenchContext, target: int, step: int, sz: DensityPa
             errors += bad
             now = await _settle(1.0)
             cg = host.cgroup_memory_bytes("shoal")
+            nf = _node_figures()
             points.append(_point(len(ids), base, now, {
                 "cgroup_charged_mib": round(((cg or 0) - base_cg) / MIB, 1) if cg is not None else None,
                 "node_rss_mib": round((_self_rss() - base_rss) / MIB, 1),
+                "node_fds": nf["fds"], "node_threads": nf["threads"], "node_rss_total_mib": nf["rss_mib"],
+                "agent_connections": len(node.connections),
                 "elapsed_s": round(time.perf_counter() - t0, 1)}))
             ctx.log(f"{len(ids)} sandboxes: host used +{points[-1]['used_mib']} MiB "
                     f"({points[-1]['used_mib'] * 1024 / max(1, len(ids)):.0f} KiB each)")
@@ -136,18 +149,41 @@ async def shoal_density(ctx: BenchContext, target: int, step: int, sz: DensityPa
     admitted = {"created": len(ids), "refused": len(errors), "overcommit_setting": snap0.overcommit,
                 "committed_mb": node.admission.snapshot().committed_mb, "total_mb": snap0.total_mb,
                 "refusal_samples": first_errors(errors)}
+    reach_s = time.perf_counter() - t0
+    # idle: the agent connections the creates opened close after SHOAL_AGENT_IDLE_S (the node's sweep)
+    await asyncio.sleep(node.connections.idle_s + 1.0)
+    await node.connections.sweep()
+    idle_node = {**_node_figures(), "agent_connections": len(node.connections)}
+    idle_node["fds_per_sandbox"] = round((idle_node["fds"] - fds0) / max(1, len(ids)), 4)
     # are they all still alive, and do they answer?
-    await asyncio.sleep(2.0)
     backend = node.backend("container")
     alive = sum(1 for i in ids if backend.alive(node.record(i)))
     sample = random.sample(ids, min(50, len(ids)))
     lat: list[float] = []
-    for sid in sample:
+    for sid in sample:  # one at a time: the latency of a request to an idle sandbox (a new connection)
         t = time.perf_counter()
         with contextlib.suppress(ShoalError):
             r = await node.exec(sid, ["true"], timeout=30)
             if r.exit_code == 0:
                 lat.append(time.perf_counter() - t)
+    everyone = list(ids) if sz is None or sz.exec_all else sample
+    answered = 0
+    exec_errors: list[str] = []
+
+    async def one(sid: str) -> None:
+        nonlocal answered
+        try:
+            r = await node.exec(sid, ["true"], timeout=60)
+        except ShoalError as e:
+            exec_errors.append(str(e)[:300])
+            return
+        answered += r.exit_code == 0
+
+    t_exec = time.perf_counter()
+    with ctx.task(f"shoal: an exec in each of {len(everyone)} idle sandboxes", len(everyone)) as adv:
+        await ctx.bounded([one(sid) for sid in everyone], 64, adv)
+    exec_s = time.perf_counter() - t_exec
+    peak_node = {**_node_figures(), "agent_connections": len(node.connections)}  # every connection open again
     final = await _settle(1.0)
     fds = len(list(Path("/proc/self/fd").iterdir()))
     # what one sandbox's own processes take (the agent), sampled
@@ -158,6 +194,12 @@ async def shoal_density(ctx: BenchContext, target: int, step: int, sz: DensityPa
     return {"target": target, "created": len(ids), "alive_after_settle": alive, "stop_reason": stop_reason,
             "errors": len(errors), "error_samples": first_errors(errors), "points": points,
             "exec_sample": {"n": len(sample), "answered": len(lat), "latency": latency_summary(lat)},
+            "exec_all": {"n": len(everyone), "answered": answered, "seconds": round(exec_s, 1),
+                         "error_samples": first_errors(exec_errors)},
+            "reach_target_s": round(reach_s, 1), "node_before": {"fds": fds0}, "node_idle": idle_node,
+            "node_peak": {k: max(v, idle_node.get(k, 0)) for k, v in peak_node.items()},
+            "node_peak_during_creates": {k: max((pt.get(f"node_{k}") or 0) for pt in points)
+                                         for k in ("fds", "threads")},
             "per_sandbox_kib_slope": _kib(_per_item(points, "used_mib")),
             "per_sandbox_kib_delta": round((final["used"] - base["used"]) / 1024 / max(1, len(ids)), 1),
             "per_sandbox_kib_available_slope": _kib(_per_item(points, "available_drop_mib")),
@@ -253,7 +295,20 @@ async def run(ctx: BenchContext, sz: DensityParams) -> ScenarioResult:
                    (s["kernel_agent_node_kib_per_sandbox"] or 0) / 1024 or None, None, "MiB",
                    note=f"agent PSS {s['agent_pss_kib']} KiB"),
             Metric(f"exec p50 with {s['created']} sandboxes alive", s["exec_sample"]["latency"].get("p50_ms"), None,
-                   "ms"))
+                   "ms"),
+            Metric(f"idle sandboxes answering an exec afterwards (of {s['exec_all']['n']})",
+                   s["exec_all"]["answered"], None, "", better="higher", target=f"= {s['exec_all']['n']}",
+                   met=s["exec_all"]["answered"] == s["exec_all"]["n"],
+                   note=f"in {s['exec_all']['seconds']} s, 64 at a time"),
+            Metric("node descriptors per idle sandbox", s["node_idle"]["fds_per_sandbox"], None, "fds",
+                   target="≪ 2", met=at_most(s["node_idle"]["fds_per_sandbox"], 0.5),
+                   note=f"{s['node_before']['fds']} → {s['node_idle']['fds']} with {s['created']} idle "
+                        f"({s['node_idle']['agent_connections']} agent connections open)"),
+            Metric(f"node at the peak ({s['created']} sandboxes): descriptors", s["node_peak"]["fds"], None, "",
+                   note=f"threads {s['node_peak']['threads']}, RSS {s['node_peak']['rss_mib']} MiB; during the "
+                        f"creates at most {s['node_peak_during_creates']['fds']} fds, "
+                        f"{s['node_peak_during_creates']['threads']} threads"),
+            Metric(f"time to {s['created']} idle sandboxes", s["reach_target_s"], None, "s"))
     adm = s["admitted_with_defaults"]
     res.add(Metric(f"default-spec sandboxes admitted with default settings (of {sz.target})", adm["created"], None,
                    "", better="higher", target=f"= {sz.target}", met=adm["created"] >= sz.target,

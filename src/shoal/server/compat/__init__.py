@@ -4,11 +4,13 @@ See docs/compat.md."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 
 from shoal.server.compat import e2b_api, e2b_envd, e2b_interpreter, routing, swerex
 
-__all__ = ["mount"]
+__all__ = ["mount", "stop"]
 
 
 def mount(app: FastAPI) -> None:
@@ -19,3 +21,11 @@ def mount(app: FastAPI) -> None:
     app.include_router(swerex.router)
 
     app.add_middleware(routing.CompatRouter)
+
+
+async def stop(state: Any) -> None:
+    """Let go of what the compat layer holds at server shutdown (the metrics sampler, pooled port relays)."""
+    from shoal.server.compat import e2b_metrics, ports
+
+    await e2b_metrics.recorder(state).stop()
+    await ports.close_pool(state)

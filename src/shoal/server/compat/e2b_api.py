@@ -183,7 +183,16 @@ async def _create(request: Request) -> Response:
         finally:
             res.release()
     prune(st)
+    track(st, info.id)
     return JSONResponse(created(st, who, info), status_code=201)
+
+
+def track(st: ServerState, sandbox_id: str) -> None:
+    """Start sampling an E2B sandbox's metrics (shoal.server.compat.e2b_metrics)."""
+    from shoal.server.compat import e2b_metrics
+
+    with contextlib.suppress(Exception):
+        e2b_metrics.recorder(st).track(st.node.record(sandbox_id))
 
 
 def prune(st: ServerState) -> None:
@@ -253,10 +262,45 @@ async def list_sandboxes_v1(request: Request) -> Response:
         return from_shoal(e)
 
 
-@router.api_route("/sandboxes/metrics", methods=["GET"])
+@router.get("/sandboxes/metrics")
 async def sandboxes_metrics(request: Request) -> Response:
-    """Not served (sandbox metrics)."""
-    return e2b_error(501, "sandbox metrics are not supported by shoal's E2B API (see docs/compat.md)")
+    """The latest metrics of each of `sandbox_ids` (comma-separated, at most 100) the caller may see."""
+    try:
+        from shoal.server.compat import e2b_metrics
+
+        st, who = _caller(request)
+        raw = request.query_params.get("sandbox_ids") or ""
+        ids = list(dict.fromkeys(x.strip() for x in raw.split(",") if x.strip()))
+        if not ids:
+            raise InvalidRequest("sandbox_ids is required: comma-separated sandbox IDs")
+        if len(ids) > 100:
+            raise InvalidRequest("at most 100 sandbox_ids per request")
+        out = {}
+        for sid in ids:
+            with contextlib.suppress(SandboxNotFound):
+                rec = common.sandbox_of(st, who, sid)
+                latest = e2b_metrics.recorder(st).latest(rec)
+                if latest is not None:
+                    out[sid] = latest
+        return JSONResponse({"sandboxes": out})
+    except Exception as e:
+        return from_shoal(e)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def sandbox_metrics(sandbox_id: str, request: Request) -> Response:
+    """A sandbox's CPU, memory and disk series between `start` and `end` (unix seconds; default: its whole
+    life) — E2B `Sandbox.get_metrics`."""
+    try:
+        from shoal.server.compat import e2b_metrics
+
+        st, who = _caller(request)
+        start = e2b_metrics.parse_time(request.query_params.get("start"), "start")
+        end = e2b_metrics.parse_time(request.query_params.get("end"), "end")
+        rec = common.sandbox_of(st, who, sandbox_id)
+        return JSONResponse(e2b_metrics.recorder(st).query(rec, start, end))
+    except Exception as e:
+        return from_shoal(e)
 
 
 @router.get("/sandboxes/{sandbox_id}")
@@ -373,6 +417,7 @@ async def _connect(sandbox_id: str, request: Request) -> Response:
             status = 201
     if body.get("timeout") is not None:
         await set_ttl(st, sandbox_id, _timeout(body["timeout"]), only_extend=True)
+    track(st, sandbox_id)
     return JSONResponse(created(st, who, st.node.record(sandbox_id)), status_code=status)
 
 
@@ -424,6 +469,7 @@ async def fork(sandbox_id: str, request: Request) -> Response:
         out = []
         for it in items:
             if isinstance(it, SandboxInfo):
+                track(st, it.id)
                 out.append({"sandbox": created(st, who, it)})
             else:
                 status = it.http_status if isinstance(it, ShoalError) else 500
@@ -436,7 +482,7 @@ async def fork(sandbox_id: str, request: Request) -> Response:
 
 
 _UNSUPPORTED = {
-    "metrics": "sandbox metrics", "logs": "sandbox logs", "network": "changing a sandbox's network rules",
+    "logs": "sandbox logs", "network": "changing a sandbox's network rules",
     "snapshots": "named snapshots through the E2B API (use shoal's POST /v1/sandboxes/{id}/snapshot)",
 }
 

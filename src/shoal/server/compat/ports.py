@@ -155,6 +155,15 @@ def pool(st: ServerState) -> httpcore.AsyncConnectionPool:
     return p
 
 
+async def close_pool(st: ServerState) -> None:
+    """Close the pooled relays (server shutdown)."""
+    p = getattr(st, "_e2b_port_pool", None)
+    if p is not None:
+        st._e2b_port_pool = None  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            await p.aclose()
+
+
 def _request_headers(scope: dict[str, Any]) -> list[tuple[bytes, bytes]]:
     out = []
     for k, v in scope.get("headers", ()):

@@ -28,6 +28,11 @@ SOURCE = r'''
 import ast, base64, codecs, io, json, linecache, os, select, signal, sys, threading, time, traceback
 import importlib.abc, importlib.util
 
+# SIGINT ignored or blocked by whatever started us (both are inherited across exec) would make the cell
+# uninterruptible: the driver owns its interrupts
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
 _PROTO = os.dup(1)          # the channel to the server (non-inheritable: children never see it)
 _LOCK = threading.Lock()
 _REQ = {"id": ""}
