@@ -118,6 +118,26 @@ async def test_stream_arrives_before_exit(sb: shoal.Sandbox) -> None:
     assert code == 7
 
 
+async def test_port_relay_and_watch_go_through_the_agent(sb: shoal.Sandbox, vclient: shoal.Client) -> None:
+    """A TCP port and a directory watch inside the sandbox, reached through its agent (shoal.agentproto.relay):
+    E2B's get_host and watch_dir on every backend, with no network (a VM's loopback is up all the same)."""
+    node = node_of(vclient)
+    server = ("import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 8000))\ns.listen()\nwhile True:\n"
+              "    c, _ = s.accept()\n    c.sendall(b'hi')\n    c.close()\n")
+    await sb.write_file("/tmp/srv.py", server)
+    r = await sb.exec("(python3 /tmp/srv.py >/dev/null 2>&1 &); for i in $(seq 1200); do "
+                      "(echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && exit 0; sleep 0.1; done; exit 1", timeout=180)
+    assert r.exit_code == 0, "the server in the sandbox did not start"
+    ps = await node.open_port(sb.id, 8000)
+    assert await ps.read() == b"hi" and await ps.read() == b""
+    w = await node.watch(sb.id, "/tmp")
+    await sb.exec(["touch", "/tmp/watched"])
+    async for ev in w:
+        if ev.name == "watched":
+            break
+    await w.stop()
+
+
 async def test_pause_resume_keeps_processes(sb: shoal.Sandbox) -> None:
     r = await sb.exec("sh -c 'sleep 600 >/dev/null 2>&1 & echo $!'")
     pid = r.stdout.strip().decode()

@@ -196,3 +196,21 @@ def test_digest_and_ref_follow_content(tmp_path: Path) -> None:
     d2 = dockerfile_digest(tmp_path)
     assert d1 != d2 and len(d1) == 16
     assert dockerfile_image_ref("Org/My Task!", d1) == f"dockerfile/org-my-task:{d1}"
+
+
+def test_registry_config_keeps_what_docker_keeps() -> None:
+    """A pulled or imported image's Labels, ExposedPorts, Volumes, Healthcheck, StopSignal, Shell and OnBuild
+    reach its ImageConfig (`shoal image inspect`; a Dockerfile FROM it inherits them), and an image without
+    them keeps the manifest bytes it always had."""
+    from shoal.images.oci import image_config_from_oci
+    from shoal.images.store import ImageConfig
+
+    c = image_config_from_oci({"config": {
+        "Env": ["A=1"], "Labels": {"org.x": "y"}, "ExposedPorts": {"80/tcp": {}}, "Volumes": {"/data": {}},
+        "Healthcheck": {"Test": ["CMD", "true"], "Interval": 10**9}, "StopSignal": "SIGINT",
+        "Shell": ["/bin/bash", "-c"], "OnBuild": ["RUN true"]}})
+    assert (c.labels, c.exposed_ports, c.volumes, c.stop_signal, c.shell, c.onbuild) == (
+        {"org.x": "y"}, ["80/tcp"], ["/data"], "SIGINT", ["/bin/bash", "-c"], ["RUN true"])
+    assert c.healthcheck == {"Test": ["CMD", "true"], "Interval": 10**9}
+    assert ImageConfig.from_dict(c.to_dict()) == c
+    assert set(ImageConfig().to_dict()) == {"env", "workdir", "user", "entrypoint", "cmd"}

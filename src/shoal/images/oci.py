@@ -312,7 +312,8 @@ def _oci_layout(ar: _Archive, select: str | None) -> tuple[dict[str, Any], list[
 
 
 def image_config_from_oci(config: dict[str, Any]) -> ImageConfig:
-    """Map an OCI/Docker image config (Env, WorkingDir, User, Entrypoint, Cmd) to an ImageConfig."""
+    """Map an OCI/Docker image config (Env, WorkingDir, User, Entrypoint, Cmd, Labels, ExposedPorts, Volumes,
+    Healthcheck, StopSignal, Shell, OnBuild) to an ImageConfig."""
     c = config.get("config") or config.get("container_config") or {}
     if not isinstance(c, dict):
         c = {}
@@ -330,6 +331,20 @@ def image_config_from_oci(config: dict[str, Any]) -> ImageConfig:
     cfg.user = str(c.get("User") or "root")
     cfg.entrypoint = [str(x) for x in (c.get("Entrypoint") or []) if isinstance(x, str | int | float)]
     cfg.cmd = [str(x) for x in (c.get("Cmd") or []) if isinstance(x, str | int | float)]
+    # what Docker keeps for running the image (and a Dockerfile FROM it inherits)
+    if isinstance(c.get("Labels"), dict):
+        cfg.labels = {str(k): str(v) for k, v in c["Labels"].items()}
+    if isinstance(c.get("ExposedPorts"), dict):
+        cfg.exposed_ports = [str(k) for k in c["ExposedPorts"]]
+    if isinstance(c.get("Volumes"), dict):
+        cfg.volumes = [str(k) for k in c["Volumes"]]
+    if isinstance(c.get("Healthcheck"), dict):
+        cfg.healthcheck = dict(c["Healthcheck"])
+    if c.get("StopSignal"):
+        cfg.stop_signal = str(c["StopSignal"])
+    for key, attr in (("Shell", "shell"), ("OnBuild", "onbuild")):
+        if isinstance(c.get(key), list):
+            setattr(cfg, attr, [str(x) for x in c[key]])
     return cfg
 
 

@@ -11,8 +11,10 @@ and interleaved round by round (so drift on a shared machine hits every path ali
 
 The E2B vs shoal ratio compares the same command (`bash -l -c true`), so it is the protocol's cost alone.
 Then, on the same server (`compat_agents.py`): a SWE-agent-shaped step (command + state command + read_file)
-through `/swerex` vs shoal's own shell API, and SandboxFusion's `/run_code` calls/s per language next to
-python's (`-p languages=` to choose; the go/java/... image is built first when the store lacks it).
+through `/swerex` vs shoal's own shell API, an HTTP request to a server in a sandbox through E2B's `get_host`
+routing vs straight to the sandbox's address (`compat_ports.py`), and SandboxFusion's `/run_code` calls/s per
+language next to python's (`-p languages=` to choose; the go/java/... image is built first when the store
+lacks it).
 Needs the `compat` extra (`pip install -e .[compat]`); without it the scenario says so and measures nothing.
 """
 
@@ -27,6 +29,7 @@ from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.compat_agents import fusion_languages, swe_agent_step
+from shoal.bench.scenarios.compat_ports import get_host_round_trip
 from shoal.bench.stats import latency_summary
 
 BASH_TRUE = ["/bin/bash", "-l", "-c", "true"]
@@ -38,6 +41,7 @@ class CompatParams:
 
     rounds: int = param(500, quick=100, help="interleaved rounds of `true`, one call through each of the 4 paths")
     step_rounds: int = param(200, quick=40, help="interleaved SWE-agent steps through /swerex and shoal's shell")
+    port_rounds: int = param(300, quick=50, help="interleaved GETs to a server in a sandbox: via get_host, directly")
     fusion_calls: int = param(48, quick=12, help="SandboxFusion /run_code calls per language")
     fusion_concurrency: int = param(4, help="/run_code calls in flight")
     languages: tuple[str, ...] = param(("python", "bash", "cpp", "go", "java", "nodejs", "typescript", "rust",
@@ -107,6 +111,8 @@ async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
                 await sb.close()
             step_data, step_metrics = await swe_agent_step(ctx, client, srv.url, token, max(1, p.step_rounds))
             res.data["swe_agent_step"] = step_data
+            port_data, port_metrics = await get_host_round_trip(ctx, client, srv.url, token, max(1, p.port_rounds))
+            res.data["get_host"] = port_data
             if p.languages:
                 fusion_data, fusion_metrics = await fusion_languages(
                     ctx, srv.url, token, max(1, p.fusion_calls), max(1, p.fusion_concurrency), p.languages)
@@ -129,6 +135,7 @@ async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
             Metric("exec p50, SWE-ReX execute([\"true\"])", p50["swerex"], None, "ms",
                    note=ratio(p50["swerex"], p50["shoal_http_true"]) + " (same command)"))
     res.add(*step_metrics)
+    res.add(*port_metrics)
     if p.languages:
         res.add(*fusion_metrics)
     return res
@@ -139,5 +146,5 @@ async def _ok(code: int | None) -> None:
         raise RuntimeError(f"true exited {code}")
 
 
-SCENARIO = Scenario("compat", "E2B, SWE-ReX, SWE-agent steps and SandboxFusion languages vs shoal's own API", run,
-                    CompatParams, uses_docker=False)
+SCENARIO = Scenario("compat", "E2B, SWE-ReX, SWE-agent steps, get_host and SandboxFusion languages vs shoal's API",
+                    run, CompatParams, uses_docker=False)

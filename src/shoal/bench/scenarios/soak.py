@@ -17,6 +17,7 @@ import contextlib
 import gc
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def _count(path: str) -> int:
         return 0
 
 
-def process_figures(pids: list[int | str]) -> dict[str, float]:
+def process_figures(pids: Sequence[int | str]) -> dict[str, float]:
     """Descriptors, threads and RSS (MiB) summed over processes."""
     return {"fds": sum(_count(f"/proc/{p}/fd") for p in pids),
             "threads": sum(_count(f"/proc/{p}/task") for p in pids),
