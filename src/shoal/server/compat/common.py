@@ -120,8 +120,12 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
     from shoal.images.pull import check_available
 
     with contextlib.suppress(ImageNotFound, ValueError):
-        check_available(st.node.store, template)  # a registry reference (Docker's form) the create will pull
-        return template
+        # a registry reference (Docker's form) the create will pull — through the visibility rule first
+        # (shoal.images.visibility): a digest of another project's image is not found, never pulled "from"
+        # the store
+        ref = ns.for_read(st, template)
+        check_available(st.node.store, ref)
+        return ref
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")
 
