@@ -30,12 +30,11 @@ import fcntl
 import hashlib
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 from shoal.config import Paths, settings
 from shoal.errors import ImageCorrupt, InvalidRequest, StoreUnavailable
-from shoal.fsutil import atomic_write
+from shoal.fsutil import atomic_write, flocked
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
 from shoal.images import leases
@@ -85,14 +84,8 @@ class LayerMounts:
         """Where a layer is (or would be) mounted."""
         return self.root / layer_hex
 
-    @contextlib.contextmanager
-    def _locked(self, layer_hex: str) -> Iterator[None]:
-        fd = os.open(self.locks / f"layer-{layer_hex}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _locked(self, layer_hex: str) -> contextlib.AbstractContextManager[int]:
+        return flocked(self.locks / f"layer-{layer_hex}.lock")
 
     def acquire(self, layers: list[Layer], user: str) -> list[Path]:
         """Make sure every layer is mounted and record `user` as one of its users."""
