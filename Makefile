@@ -4,13 +4,17 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup agent guest demo test test-unit test-integration test-trainers lint bench clean
+.PHONY: setup agent chunkd guest demo test test-unit test-integration test-trainers lint bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 agent:
 	@$(MAKE) -s -C agent
+
+# the node's layer reader (FUSE; verified chunks on demand): build/shoal-chunkd
+chunkd:
+	@$(MAKE) -s -C chunkd
 
 # the microVM kernel + initramfs (otherwise built lazily on the first microVM, cached under $SHOAL_HOME/vm)
 guest: agent

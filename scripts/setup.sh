@@ -11,8 +11,8 @@ APT_PACKAGES=(
   crun runc iproute2 nftables kmod util-linux
   # gVisor, the stronger runtime option (runtime="gvisor"; Debian 12 packages a 2022 build)
   runsc
-  # image store
-  erofs-utils mmdebstrap skopeo zstd e2fsprogs btrfs-progs
+  # image store; the node's layer reader (chunkd/: SHA-256 from libcrypto, zstd chunk objects, FUSE)
+  erofs-utils mmdebstrap skopeo zstd e2fsprogs btrfs-progs libssl-dev libzstd-dev
   # a loopback registry for the image-import tests (never started as a service)
   docker-registry
   # a real distributed filesystem for the shared-store tests (`shoal store dev-moosefs`; no service started)
@@ -99,6 +99,8 @@ done
 
 echo "==> building the in-sandbox agent"
 make -s -C agent
+echo "==> building the layer reader (shoal-chunkd)"
+make -s -C chunkd
 
 # crun refuses hybrid-cgroup hosts unless the hugetlb v1 hierarchy is mounted; runc works either way
 .venv/bin/shoal doctor --fix >/dev/null || true

@@ -76,8 +76,10 @@ def shoal_home() -> Iterator[Path]:
     if IS_ROOT:
         from shoal.config import Paths
         from shoal.node.disk import UpperPool
+        from shoal.node.teardown import stop_readers
 
         UpperPool(Paths.from_env(home)).teardown()
+        stop_readers(Paths.from_env(home))  # the layer readers of stores the session used
     leaks = _mounts_under(str(home))
     for k, v in old.items():
         if v is None:

@@ -131,7 +131,8 @@ def shoal_tree(store: ImageStore, ref: str) -> Iterator[Path]:
         for i, lay in enumerate(img.layers):
             mp = work / f"l{i}"
             mp.mkdir()
-            syscalls.mount(str(lay.path), str(mp), "erofs", syscalls.MS_RDONLY, None)
+            whole = store.export_layer(lay.digest, work / f"l{i}.erofs")  # every chunk checked on the way
+            syscalls.mount(str(whole), str(mp), "erofs", syscalls.MS_RDONLY, None)
             mounted.append(str(mp))
             lowers.append(str(mp))
         empty = work / "empty"

@@ -576,14 +576,14 @@ class Settings:
                                    "has it)", BOOL)
     debian_mirror: str = setting("http://deb.debian.org/debian", "images", "Debian mirror for base image builds",
                                  text(r"(https?|file)://\S+", "an http(s):// or file:// URL"))
-    verify_layers: bool = setting(True, "images", "check a layer against its digest before its first mount on "
-                                  "this node (remembered per node by file identity)", BOOL)
     lease_heartbeat_s: float = setting(60.0, "images", "how often a node agent renews its layer leases in the store "
                                        "(seconds)", number(0, lo_open=True))
     lease_ttl_s: float = setting(900.0, "images", "a lease not renewed for this long belongs to a dead node: gc "
                                  "ignores it (seconds)", number(0, lo_open=True))
-    layer_cache_mb: int = setting(0, "images", "node-local cache of hot layers copied from the store, in MiB "
-                                  "(0: off; layers are read on demand from the store)", integer(0))
+    chunk_cache_mb: int = setting(8192, "images", "node-local cache of verified layer chunks, in MiB (LRU; kept "
+                                  "across restarts of the node)", integer(64))
+    chunk_readahead_kb: int = setting(128, "images", "a read that fetches a layer chunk also fetches the next chunks "
+                                      "up to this many KiB, in the background", integer(0, 65536))
     store_probe_timeout_s: float = setting(3.0, "images", "creates fail with store_unavailable when the store does "
                                            "not answer a probe within this (seconds)", number(0, lo_open=True))
     pull_policy: str = setting("missing", "images", "when a create or a Dockerfile FROM pulls its image from a "

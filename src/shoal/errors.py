@@ -126,8 +126,9 @@ class BackendUnavailable(ShoalError):
 
 
 class ImageCorrupt(ShoalError):
-    """A layer's bytes no longer hash to its digest (or its filesystem does not mount): it is never mounted.
-    An operator problem, not bad input: rebuild or re-import the image (`shoal image verify`)."""
+    """A layer's bytes no longer hash to its digest — a chunk failed its check when a node read it, or its
+    filesystem does not mount: nothing of it is served. An operator problem, not bad input: rebuild or
+    re-import the image (`shoal image verify`)."""
 
     http_status = 500
     code = "image_corrupt"

@@ -77,14 +77,14 @@ def _lock_fd(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def flocked(path: Path) -> Iterator[int]:
-    """Hold an exclusive flock on the lock file `path` (made, with its directory, when missing) for the
-    `with` block; yields its descriptor. What serializes host-wide setup between node processes (a bridge,
-    a tmpfs, a layer mount, a build): the kernel drops the lock when the holder dies, so a crash never
-    leaves it held."""
+def flocked(path: Path, *, shared: bool = False) -> Iterator[int]:
+    """Hold an exclusive (or `shared`) flock on the lock file `path` (made, with its directory, when
+    missing) for the `with` block; yields its descriptor. What serializes host-wide setup between node
+    processes (a bridge, a tmpfs, a layer mount, a build): the kernel drops the lock when the holder dies,
+    so a crash never leaves it held."""
     fd = _lock_fd(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield fd
     finally:
         os.close(fd)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shoal.config import NodeConfig, Paths
 from shoal.host import syscalls
-from shoal.images.store import Image, ImageConfig, ImageStore
+from shoal.images.store import Image, ImageConfig, ImageStore, Layer
 from shoal.node.node import Node
 from shoal.node.teardown import mounts_under, purge_home, teardown_home
 
@@ -47,8 +47,41 @@ def busybox_image(store: ImageStore, ref: str, tmp: Path, filler_mib: int = 16) 
     layer = store.add_layer_from_dir(tree, {"type": "test", "desc": ref})
     shutil.rmtree(tree, ignore_errors=True)
     cfg = ImageConfig(env={"PATH": "/bin"}, workdir="/", user="root")
-    drop_file_cache(layer.path)  # as on another node: nothing of the layer in this host's page cache
+    drop_layer_cache(store, layer)  # as on another node: nothing of the layer in this host's page cache
     return store.put_image(ref, [layer.digest], cfg)
+
+
+def chunk_files(store: ImageStore, layer: Layer) -> list[Path]:
+    """The chunk objects of a layer in the store, in table order (each once)."""
+    t = store.layer_table(layer.digest)
+    return [store.chunks.chunk_path(h) for h in dict.fromkeys(h for h, _ in t.chunks)]
+
+
+def chunk_at(store: ImageStore, layer: Layer, offset: int) -> tuple[str, int, Path]:
+    """(chunk hex, offset of the chunk in the layer, object path) of the chunk holding layer byte `offset`."""
+    t = store.layer_table(layer.digest)
+    for (h, n), at in zip(t.chunks, t.offsets(), strict=True):
+        if at <= offset < at + n:
+            return h, at, store.chunks.chunk_path(h)
+    raise ValueError(f"offset {offset} is past the layer's end")
+
+
+def corrupt_chunk(path: Path) -> None:
+    """Replace a chunk object by a valid zstd frame of other bytes of the same length (what a bit flip in the
+    data would decode to: the frame is fine, the bytes do not hash to the chunk's name)."""
+    import zstandard
+
+    data = bytearray(zstandard.ZstdDecompressor().decompress(path.read_bytes()))
+    data[len(data) // 2] ^= 0xFF
+    os.chmod(path, 0o644)
+    path.write_bytes(zstandard.ZstdCompressor(level=3).compress(bytes(data)))
+    os.chmod(path, 0o444)
+
+
+def drop_layer_cache(store: ImageStore, layer: Layer) -> None:
+    """Evict a layer's chunk objects from this host's page cache."""
+    for p in chunk_files(store, layer) if layer.chunked else [layer.path]:
+        drop_file_cache(p)
 
 
 def drop_file_cache(path: Path) -> None:

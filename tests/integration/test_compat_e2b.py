@@ -7,37 +7,17 @@ from __future__ import annotations
 import json
 import secrets
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from shoal.server.proc import ServerProcess
 from shoal.server.tokens import Quota, TokenStore
 
 e2b = pytest.importorskip("e2b", reason="the compat extra (pip install -e .[compat]) brings the E2B SDK")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def e2b_env(api_server: ServerProcess, shoal_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
-    """The E2B SDK pointed at the session's server with the token of a fresh project (as a user would: env vars)."""
-    project = f"e2b-{secrets.token_hex(3)}"
-    token = TokenStore(shoal_home).create(project, name="e2b tests")
-    monkeypatch.setenv("E2B_API_URL", api_server.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", api_server.url)
-    monkeypatch.setenv("E2B_API_KEY", token)
-    monkeypatch.delenv("E2B_DOMAIN", raising=False)
-    made: list = []
-    yield {"url": api_server.url, "token": token, "project": project, "made": made}
-    for sb in made:
-        try:
-            sb.kill()
-        except Exception:
-            pass
 
 
 def test_e2b_sandbox_commands_files_and_lifecycle(e2b_env: dict) -> None:

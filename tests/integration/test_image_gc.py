@@ -27,18 +27,21 @@ def _layer(store: ImageStore, tmp: Path, tag: str) -> Layer:
 
 
 def _age(store: ImageStore, *digests: str) -> None:
-    """Make layers (and every manifest) look old, as if written days ago."""
+    """Make layers (their record, table and chunks) and every manifest look old, as if written days ago."""
     for dg in digests:
-        for suffix in (".json", ".erofs"):
-            os.utime(store.layers_dir / f"{dg[7:]}{suffix}", (OLD, OLD))
-        meta = store.layers_dir / f"{dg[7:]}.json"
+        meta = store.chunks.meta_path(dg[7:])
         m = json.loads(meta.read_text())
         m["created"] = OLD
         os.chmod(meta, 0o644)
         meta.write_text(json.dumps(m))
-        os.utime(meta, (OLD, OLD))
+        for p in (meta, store.chunks.table_path(dg[7:]), *_chunk_files(store, dg)):
+            os.utime(p, (OLD, OLD))
     for p in store.manifests_dir.glob("*.json"):
         os.utime(p, (OLD, OLD))
+
+
+def _chunk_files(store: ImageStore, digest: str) -> list[Path]:
+    return [store.chunks.chunk_path(h) for h in store.layer_table(digest).unique()]
 
 
 def test_gc_removes_only_what_nothing_references(tmp_path: Path) -> None:
@@ -59,9 +62,14 @@ def test_gc_removes_only_what_nothing_references(tmp_path: Path) -> None:
     assert set(dry.removed_layers) == {gone.digest, loose.digest} and dry.removed_manifests == [untagged]
     assert store.has_layer(gone.digest) and store.has_layer(loose.digest), "a dry run removes nothing"
 
+    kept = set(_chunk_files(store, keep.digest))
+    freed = {p for d in (gone.digest, loose.digest) for p in _chunk_files(store, d)} - kept
+    freed_bytes = sum(p.stat().st_size for p in freed)
+    assert dry.freed_bytes == freed_bytes and dry.removed_chunks == len(freed)
     rep = collect_garbage(store, paths, grace_s=3600)
     assert set(rep.removed_layers) == {gone.digest, loose.digest}
-    assert rep.freed_bytes == gone.size + loose.size
+    assert rep.removed_chunks == len(freed) > 0 and rep.freed_bytes == freed_bytes
+    assert not any(p.exists() for p in freed) and all(p.exists() for p in kept)
     assert store.has_layer(keep.digest) and not store.has_layer(gone.digest) and not store.has_layer(loose.digest)
     assert store.list_manifests() == [store.resolve("app:1").digest]
     assert store.cache_get("steps", "c" * 64) is None and store.cache_get("steps", "d" * 64) is not None
@@ -152,7 +160,9 @@ def test_gc_cleans_orphans(tmp_path: Path) -> None:
     store = ImageStore(tmp_path / "store")
     paths = Paths(home=tmp_path / "home", store=store.root)
     lay = _layer(store, tmp_path, "orphan")
-    (store.layers_dir / f"{lay.hex}.json").unlink()  # a writer crashed between data and metadata
-    os.utime(lay.path, (OLD, OLD))
+    chunks = _chunk_files(store, lay.digest)
+    _age(store, lay.digest)
+    store.chunks.meta_path(lay.hex).unlink()  # a writer crashed between the table and the record
     rep = collect_garbage(store, paths, grace_s=3600)
-    assert rep.removed_orphans == 1 and not lay.path.exists()
+    assert rep.removed_orphans == 1 and not store.chunks.table_path(lay.hex).exists()
+    assert rep.removed_chunks == len(chunks) and not any(p.exists() for p in chunks)

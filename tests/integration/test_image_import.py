@@ -236,7 +236,8 @@ def mounted_image(store: ImageStore, ref: str) -> Iterator[Path]:
         for i, lay in enumerate(img.layers):
             mp = work / f"l{i}"
             mp.mkdir()
-            syscalls.mount(str(lay.path), str(mp), "erofs", syscalls.MS_RDONLY, None)
+            whole = store.export_layer(lay.digest, work / f"l{i}.erofs")  # every chunk checked on the way
+            syscalls.mount(str(whole), str(mp), "erofs", syscalls.MS_RDONLY, None)
             mounted.append(str(mp))
             lowers.append(str(mp))
         empty = work / "empty"
@@ -255,13 +256,14 @@ def mounted_image(store: ImageStore, ref: str) -> Iterator[Path]:
 
 
 def _complete(store: ImageStore) -> None:
-    """Nothing half-written is visible: every layer has data + metadata, no temp files linger."""
-    names = {p.name for p in store.layers_dir.iterdir()}
+    """Nothing half-written is visible: every layer has its table + record, no temp files linger."""
+    names = {p.name for p in store.chunks.layers_dir.iterdir()} if store.chunks.layers_dir.is_dir() else set()
     for n in names:
         assert not n.startswith(".tmp-"), f"temp file {n} left in the layer dir"
         stem, _, ext = n.rpartition(".")
-        other = f"{stem}.{'json' if ext == 'erofs' else 'erofs'}"
+        other = f"{stem}.{'json' if ext == 'table' else 'table'}"
         assert other in names, f"{n} has no {other}"
+    assert not list(store.layers_dir.iterdir()), "no whole-file layers"
     assert list(store.tmp_dir.iterdir()) == []
     for _, entry in store.cache_entries(DIFFID_CACHE):
         assert entry and store.has_layer(entry["layer"])

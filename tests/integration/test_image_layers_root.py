@@ -41,7 +41,8 @@ def test_pack_upper_keeps_meaning_and_drops_bookkeeping(tmp_path: Path) -> None:
     assert clean_upper(up, network=True) == 2
     lay = pack_upper(store, up, {"type": "test"}, network=True)
     mp = Path(tempfile.mkdtemp(prefix="shoal-pack-"))
-    syscalls.mount(str(lay.path), str(mp), "erofs", syscalls.MS_RDONLY, None)
+    whole = store.export_layer(lay.digest, tmp_path / "layer.erofs")
+    syscalls.mount(str(whole), str(mp), "erofs", syscalls.MS_RDONLY, None)
     try:
         names = sorted(os.listdir(mp))
         assert names == ["data", "etc", "gone"], names

@@ -412,6 +412,23 @@ async def test_pull_and_pull_on_demand_over_http(registry_env: LoopbackRegistry,
                 await c.create("hpull:3")
             with pytest.raises(InvalidRequest):
                 await c.pull("Not A Ref")
+            # and back out over HTTP: the archive is downloaded; a push needs an admin token
+            await c.export_image("hpull:1", str(tmp_path / "h.tar"))
+            from shoal.images.oci import import_archive
+
+            back = import_archive(ImageStore(tmp_path / "back"), tmp_path / "h.tar", "h:1").image
+            assert [x.digest for x in back.layers] == rep["image"]["layers"]
+            with pytest.raises(ImageNotFound):
+                await c.export_image("nope:1", str(tmp_path / "n.tar"))
+            assert not (tmp_path / "n.tar").exists()
+            from shoal.errors import Forbidden
+
+            with pytest.raises(Forbidden):
+                await c.push("hpull:1", f"{reg.host}/team/hpull:1")
+        admin = TokenStore(shoal_home).create("ops", admin=True, name="test_image_pull admin")
+        async with shoal.Client(srv.url, token=admin) as c:
+            pushed = await c.push("hpull:1", f"{reg.host}/team/hpull:1")
+            assert pushed["layers_uploaded"] == 1 and pushed["manifest_digest"] == reg.manifest_digest("team/hpull:1")
     finally:
         srv.stop()
     assert ImageStore(tmp_path / "store").exists("hcreate:1")

@@ -1,8 +1,10 @@
-"""The optional node-local layer cache (SHOAL_LAYER_CACHE_MB): copy-and-verify on first mount, local
-mounts afterwards, LRU eviction that never touches a mounted layer, corrupt layers never cached."""
+"""The node's chunk cache (SHOAL_CHUNK_CACHE_MB): one cache of verified chunks for every layer of the node,
+so a chunk two layers share is fetched once; bounded and LRU; chunks of layers not in use go first, and
+chunks of a layer in use only while the store answers (they can be fetched again)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -11,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from shoal.config import Paths
-from shoal.errors import ImageCorrupt
-from shoal.images.cache import LayerCache
-from shoal.images.mounts import LayerMounts, mount_source
+from shoal.images.mounts import LayerMounts
 from shoal.images.store import ImageStore, Layer
+from shoal.node.teardown import stop_readers
 from tests.integration.storeutil import busybox_tree
 
 pytestmark = pytest.mark.root
@@ -22,76 +23,97 @@ MIB = 1 << 20
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[tuple[ImageStore, Paths]]:
+def env(tmp_path: Path) -> Iterator[tuple[ImageStore, LayerMounts]]:
     home = Path(tempfile.mkdtemp(prefix="shc-", dir="/tmp"))
     store = ImageStore(tmp_path / "store")
-    yield store, Paths(home=home, store=store.root)
     lm = LayerMounts(Paths(home=home, store=store.root))
+    lm.keep_reader = True
+    lm.daemon.readahead_kb = 0
+    yield store, lm
     lm.reconcile(set())
     assert not lm.mounted()
+    stop_readers(Paths(home=home, store=store.root))
     shutil.rmtree(home, ignore_errors=True)
 
 
-def _layer(store: ImageStore, tmp: Path, tag: str, mib: int = 2) -> Layer:
+def _layer(store: ImageStore, tmp: Path, tag: str, mib: int = 2, shared: bytes | None = None) -> Layer:
     tree = busybox_tree(Path(tempfile.mkdtemp(dir=tmp)), tag, filler_mib=mib)
+    if shared is not None:
+        (tree / "data" / "shared").write_bytes(shared)
     return store.add_layer_from_dir(tree, {"type": "test", "desc": tag})
 
 
-def _backing(mp: Path) -> str:
-    src = mount_source(mp) or ""
-    if src.startswith("/dev/loop"):
-        return Path(f"/sys/block/{Path(src).name}/loop/backing_file").read_text().strip()
-    return src
+def _cached_hexes(lm: LayerMounts) -> set[str]:
+    return {p.name for p in lm.daemon.cache.rglob("*") if p.is_file() and len(p.name) == 64}
 
 
-def test_first_mount_copies_and_verifies_later_mounts_hit(env: tuple[ImageStore, Paths], tmp_path: Path) -> None:
-    store, paths = env
-    layer = _layer(store, tmp_path, "hot")
-    lm = LayerMounts(paths)
-    lm.cache = LayerCache(paths.home / "layer-cache", limit_bytes=64 * MIB)
-    mp = lm.acquire([layer], "sb1")[0]
-    assert _backing(mp) == str(lm.cache.path(layer.hex)), "mounted from the local copy"
-    assert lm.cache.copied_bytes == layer.size and lm.cache.misses == 1
-    assert lm.verifier.hashed_bytes == 0, "the copy was the check: no second read"
-    lm.release([layer.hex], "sb1")
-    assert not lm.mounted()
-    lm.acquire([layer], "sb2")
-    lm.release([layer.hex], "sb2")
-    assert lm.cache.hits == 1 and lm.cache.copied_bytes == layer.size, "the second mount reads no store bytes"
+def test_a_chunk_two_layers_share_is_fetched_once(env: tuple[ImageStore, LayerMounts], tmp_path: Path) -> None:
+    store, lm = env
+    shared = os.urandom(3 * MIB)
+    a = _layer(store, tmp_path, "a", mib=1, shared=shared)
+    b = _layer(store, tmp_path, "b-longer-tag", mib=2, shared=shared)  # the file sits elsewhere in b
+    (ma,) = lm.acquire([a], "sa")
+    assert (ma / "data" / "shared").read_bytes() == shared
+    before = lm.daemon.stats()["fetched_bytes"]
+    (mb,) = lm.acquire([b], "sb")
+    assert (mb / "data" / "shared").read_bytes() == shared
+    again = lm.daemon.stats()["fetched_bytes"] - before
+    assert again < len(shared) * 0.25, f"{again} bytes fetched again of {len(shared)} shared"
+    lm.release([a.hex], "sa")
+    lm.release([b.hex], "sb")
 
 
-def test_lru_eviction_spares_mounted_layers(env: tuple[ImageStore, Paths], tmp_path: Path) -> None:
-    store, paths = env
-    a, b, c = (_layer(store, tmp_path, t) for t in ("a", "b", "c"))
-    lm = LayerMounts(paths)
-    lm.cache = LayerCache(paths.home / "layer-cache", limit_bytes=a.size + b.size + a.size // 2)
-    lm.acquire([a], "keep")  # stays mounted: never evicted
-    lm.acquire([b], "x")
-    lm.release([b.hex], "x")
-    lm.acquire([c], "y")  # needs room: b (not mounted) goes, a (mounted, older) stays
-    lm.release([c.hex], "y")
-    assert lm.cache.path(a.hex).exists() and lm.cache.path(c.hex).exists()
-    assert not lm.cache.path(b.hex).exists() and lm.cache.evicted == 1
-    assert lm.cache.usage() <= lm.cache.limit
-    lm.release([a.hex], "keep")
+def test_the_cache_is_bounded_lru_and_prefers_to_keep_layers_in_use(env: tuple[ImageStore, LayerMounts],
+                                                                      tmp_path: Path) -> None:
+    store, lm = env
+    used = _layer(store, tmp_path, "used", mib=3)
+    idle = _layer(store, tmp_path, "idle", mib=3)
+    (mi,) = lm.acquire([idle], "si")
+    (mi / "data" / "m-filler").read_bytes()
+    lm.release([idle.hex], "si")  # idle's chunks stay cached, its layer is no longer in use
+    (mu,) = lm.acquire([used], "su")
+    filler = (mu / "data" / "m-filler").read_bytes()
+    idle_chunks = {h for h, _ in store.layer_table(idle.digest).chunks} & _cached_hexes(lm)
+    used_chunks = {h for h, _ in store.layer_table(used.digest).chunks} & _cached_hexes(lm)
+    assert idle_chunks and used_chunks
+    st = lm.daemon.stats()
+    # room for a bit more than the layer in use: idle's chunks go, the used layer's stay
+    lm.daemon.set_limit(st["cache_bytes_of_open_layers"] // MIB + 1)
+    st = lm.daemon.stats()
+    left = _cached_hexes(lm)
+    assert st["cache_bytes"] <= st["cache_limit"] and st["evicted_chunks"] > 0
+    assert used_chunks <= left, "only chunks of the layer not in use went"
+    assert len((idle_chunks - used_chunks) - left) == st["evicted_chunks"]
+    # smaller than the layer in use: its least recently used chunks go too (the store can give them back),
+    # and reads stay correct
+    lm.daemon.set_limit(1)
+    assert lm.daemon.stats()["cache_bytes"] <= MIB
+    assert (mu / "data" / "z").read_bytes()  # metadata and z, fetched again as needed
+    os.posix_fadvise(os.open(mu / "data" / "m-filler", os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert (mu / "data" / "m-filler").read_bytes() == filler
+    lm.release([used.hex], "su")
 
 
-def test_a_corrupt_layer_is_never_cached_and_a_too_big_one_mounts_from_the_store(
-        env: tuple[ImageStore, Paths], tmp_path: Path) -> None:
-    import os
-
-    store, paths = env
-    bad = _layer(store, tmp_path, "bad")
-    os.chmod(bad.path, 0o644)
-    with open(bad.path, "r+b") as f:
-        f.seek(bad.size // 2)
-        f.write(b"\xff" * 32)
-    big = _layer(store, tmp_path, "big", mib=6)
-    lm = LayerMounts(paths)
-    lm.cache = LayerCache(paths.home / "layer-cache", limit_bytes=4 * MIB)
-    with pytest.raises(ImageCorrupt):
-        lm.acquire([bad], "sb")
-    assert not list((paths.home / "layer-cache").glob("*")), "no copy, no temp file left"
-    mp = lm.acquire([big], "sb")[0]
-    assert _backing(mp) == str(big.path)
-    lm.release([big.hex], "sb")
+def test_chunks_of_a_layer_in_use_stay_while_the_store_fails(env: tuple[ImageStore, LayerMounts],
+                                                            tmp_path: Path) -> None:
+    """When the store stops answering, the chunks a mounted layer has in the cache are the only copy the node
+    can get: they are not evicted, even past the limit (the cache waits for the store to answer again)."""
+    store, lm = env
+    used = _layer(store, tmp_path, "used", mib=3)
+    other = _layer(store, tmp_path, "other", mib=1)
+    (mu,) = lm.acquire([used], "su")
+    (mu / "data" / "m-filler").read_bytes()
+    held = {h for h, _ in store.layer_table(used.digest).chunks} & _cached_hexes(lm)
+    # the store fails (not "missing", not "corrupt": an I/O error) for a chunk of another layer
+    i, h = next((i, h) for i, (h, _) in enumerate(store.layer_table(other.digest).chunks) if h not in held)
+    p = store.chunks.chunk_path(h)
+    p.unlink()
+    p.mkdir()  # reading a directory: EISDIR, as from a store whose servers fail
+    lm.verify([other])  # its table goes to the reader (no mount)
+    assert lm.daemon.prefetch(other.hex, [i]) == 1 and lm.daemon.wait_idle(60)
+    st = lm.daemon.stats()
+    assert not st["store_ok"] and st["store_errors"] >= 1 and st["corrupt_chunks"] == 0
+    lm.daemon.set_limit(1)
+    assert held <= _cached_hexes(lm), "a layer in use keeps its chunks while the store fails"
+    assert lm.daemon.stats()["cache_bytes"] > MIB
+    lm.release([used.hex], "su")

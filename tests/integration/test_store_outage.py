@@ -1,7 +1,8 @@
 """A shared store that goes away (issue 14, "Outage"), on the session's MooseFS cluster: creates fail fast
-with StoreUnavailable; running sandboxes keep the pages they have read; a read of a page never fetched
-fails with EIO within the client's bound (mfstimeout) instead of hanging; when the servers come back,
-reads and creates work again; nothing leaks (mounts, loop devices, processes).
+with StoreUnavailable; running sandboxes keep the pages they have read (and the node's chunk cache keeps the
+chunks); a read of a chunk never fetched fails with EIO within the client's bound (mfstimeout) instead of
+hanging, and is never taken for corruption; when the servers come back, the same read works in the same
+sandbox, and creates work again; nothing leaks (mounts, loop devices, processes).
 
 Every wait here is bounded (pytest timeout per test, bounded retry loops)."""
 
@@ -57,9 +58,9 @@ def mfs_store(moosefs: mfs.MooseFsCluster) -> object:
 @pytest.mark.parametrize("mode", ["loop", "file"])
 async def test_chunkservers_stop_during_a_run(moosefs: mfs.MooseFsCluster, mfs_store: Path, tmp_path: Path,
                                               mode: str) -> None:
-    """Loop-mounted layers recover in place when the servers return (the node re-opens their store file);
-    file-backed ones fail cleanly: a read the outage broke keeps failing at once (MooseFS' client poisons
-    the layer file's handle) until the layer's last sandbox closes, then it mounts afresh."""
+    """Layers recover in place when the servers return, file-backed or through a loop device: the node's
+    reader opens a chunk's object afresh for every fetch, so a handle MooseFS' client poisoned during the
+    outage is never used again; a failed fetch is a store error (retried), not a corrupt chunk."""
     store = ImageStore(mfs_store)
     busybox_image(store, "bb:outage", tmp_path)
     busybox_image(store, "bb:other", tmp_path, filler_mib=1)
@@ -94,22 +95,16 @@ async def test_chunkservers_stop_during_a_run(moosefs: mfs.MooseFsCluster, mfs_s
             assert r.exit_code == 0, r
             return r.stdout
 
-        if mode == "loop":
-            assert (await _eventually(read_z)).split()[0] == b"65536", "the sandbox recovers"
-            assert node.store_health.recoveries >= 1
+        assert (await _eventually(read_z)).split()[0] == b"65536", "the sandbox recovers"
+        st = node.layer_mounts.daemon.stats()
+        assert st["store_errors"] >= 1 and st["corrupt_chunks"] == 0 and st["missing_chunks"] == 0
+        assert not (mfs_store / "corrupt").exists(), "an outage is not corruption: nothing is marked"
         # the servers are back: a create of the other image (its layer read from the store) succeeds again
         other = await _eventually(lambda: node.create(SandboxSpec(image="bb:other", **SPEC)))
-        if mode == "file":
-            r = await node.exec(info.id, ["wc", "-c", "/data/z"], timeout=60)
-            assert _failed_cleanly(r), f"... the broken read still fails with the servers back (no hang): {r}"
         assert (await node.exec(other.id, ["cat", "/data/tag"])).exit_code == 0
         await node.close(other.id)
         await node.close(info.id)
         assert not node.layer_mounts.mounted()
-        if mode == "file":
-            fresh = await node.create(SandboxSpec(image="bb:outage", **SPEC))
-            assert (await node.exec(fresh.id, ["wc", "-c", "/data/z"])).stdout.split()[0] == b"65536"
-            await node.close(fresh.id)
     assert not loops_backed_by(str(mfs_store))
     assert len(mfs._mfsmount_pids(Path(moosefs.mountpoint))) == 1
 

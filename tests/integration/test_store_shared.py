@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from shoal.config import Paths
-from shoal.fsutil import sha256_file
 from shoal.images import leases
 from shoal.images.gc import collect_garbage
 from shoal.images.mounts import LayerMounts, mount_source
@@ -84,22 +83,29 @@ async def test_a_layer_on_moosefs_mounts_in_place_and_runs(moosefs: object, tmp_
         assert r.exit_code == 0 and r.stdout.startswith(b"bb:on-demand-")
         mp = node.layer_mounts.mountpoint(img.layers[0].hex)
         src = mount_source(mp)
-        layer_file = str(img.layers[0].path)
+        layer_file = str(node.layer_mounts.daemon.file(img.layers[0].hex))
         backing = src if not src or not src.startswith("/dev/loop") else \
             Path(f"/sys/block/{Path(src).name}/loop/backing_file").read_text().strip()
-        assert backing == layer_file, f"mounted from {src}, not from the store"
+        assert backing == layer_file, f"mounted from {src}, not from the node's reader of the store"
         # bytes allocated in SHOAL_HOME itself (not in the mounts below it; ~1.5 MiB: the agent and helper
-        # binaries, records): far below a copy of the layer
+        # binaries, records): far below a copy of the layer. The node's chunk cache holds exactly the chunks
+        # fetched: what the sandbox read (busybox, /data/tag) and the read-ahead after it
         home_dev = node.paths.home.stat().st_dev
-        allocated = 0
+        cache_dir = str(node.layer_mounts.daemon.cache)
+        allocated = cached = 0
         for dirpath, dirnames, filenames in os.walk(node.paths.home):
             dirnames[:] = [d for d in dirnames if os.lstat(os.path.join(dirpath, d)).st_dev == home_dev]
             for f in filenames:
                 st = os.lstat(os.path.join(dirpath, f))
                 # uppers.btrfs: the image of the writable layers' filesystem (btrfs metadata, not image data)
                 if st.st_dev == home_dev and f != "uppers.btrfs":
-                    allocated += st.st_blocks * 512
+                    if dirpath.startswith(cache_dir):
+                        cached += st.st_size
+                    else:
+                        allocated += st.st_blocks * 512
         assert allocated < img.size // 8, f"{allocated} bytes on local disk for a {img.size}-byte layer"
+        st = node.layer_mounts.daemon.stats()
+        assert cached == st["cache_bytes"] == st["fetched_bytes"] < img.size // 4, (cached, st, img.size)
         await node.close(info.id)
     import shutil
 
@@ -149,15 +155,14 @@ def _checker(store: ImageStore, stop: threading.Event, problems: list[str]) -> N
     intact, and the tag always names a readable manifest whose layers are all visible."""
     seen_ok: set[str] = set()
     while not stop.is_set():
-        for meta in store.layers_dir.glob("*.json"):
-            h = meta.stem
-            if len(h) != 64 or h in seen_ok:
+        for h in store.chunks.list_hexes():
+            if h in seen_ok:
                 continue
             try:
-                size = json.loads(meta.read_text())["size"]
-                data = store.layers_dir / f"{h}.erofs"
-                if data.stat().st_size != size or sha256_file(data) != h:
-                    problems.append(f"visible layer {h[:12]} is incomplete or wrong")
+                size = json.loads(store.chunks.meta_path(h).read_text())["size"]
+                bad = store.chunks.verify(h)  # the table hashes to the digest, every chunk to its name
+                if bad or store.layer_table(f"sha256:{h}").size != size:
+                    problems.append(f"visible layer {h[:12]} is incomplete or wrong: {bad[:2]}")
                 else:
                     seen_ok.add(h)
             except (OSError, ValueError, KeyError) as e:
@@ -225,10 +230,12 @@ def test_node_agents_racing_to_publish_one_layer_make_exactly_one(store_root: Pa
     assert not problems, problems[:5]
     digests = {d for o in outs for d in o["layers"]}
     assert len(digests) == 1, f"one tree, one layer: {digests}"
-    assert [p.name for p in store.layers_dir.iterdir()] and \
-        sorted(p.name for p in store.layers_dir.iterdir()) == sorted(
-            [f"{next(iter(digests))[7:]}.erofs", f"{next(iter(digests))[7:]}.json"]), \
-        f"exactly one layer file and its metadata, no temp files: {sorted(os.listdir(store.layers_dir))}"
+    h = next(iter(digests))[7:]
+    assert sorted(p.name for p in store.chunks.layers_dir.iterdir()) == [f"{h}.json", f"{h}.table"], \
+        f"exactly one layer (table and record), no temp files: {sorted(os.listdir(store.chunks.layers_dir))}"
+    assert not list(store.layers_dir.iterdir()), "no whole-file layer"
+    assert sorted(x for x, _ in store.chunks.iter_chunk_files()) == sorted(store.layer_table(f"sha256:{h}").unique()), \
+        "exactly the layer's chunks, each once"
     assert store.verify_layer(next(iter(digests)))
     written = {m for o in outs for m in o["manifests"]}
     assert store.tag_target("race:latest") in written
@@ -260,7 +267,7 @@ def test_node_agents_importing_one_archive_at_once(store_root: Path, tmp_path: P
         th.join(30)
     assert not problems, problems[:5]
     assert len({tuple(o["layers"]) for o in outs}) == 1
-    assert len(list(store.layers_dir.glob("*.erofs"))) == 1
+    assert len(store.chunks.list_hexes()) == 1
     assert all(store.verify_layer(d) for d in outs[0]["layers"])
 
 
@@ -278,8 +285,8 @@ def test_gc_on_one_node_never_deletes_a_layer_another_node_uses(store_root: Path
     paths_b = Paths(home=tmp_path / "b", store=store_root)
     lm_a = LayerMounts(paths_a)
     old = time.time() - 10 * 86400
-    for suffix in (".json", ".erofs"):
-        os.utime(store.layers_dir / f"{layer.hex}{suffix}", (old, old))
+    for p in (store.chunks.meta_path(layer.hex), store.chunks.table_path(layer.hex)):
+        os.utime(p, (old, old))
     lm_a.acquire([layer], "sb-a")
     try:
         lease = leases.lease_path(store_root, layer.hex, lm_a.lease_key)
@@ -362,6 +369,6 @@ def test_node_agents_building_one_recipe_at_once_build_each_step_once(store_root
     assert outs[0]["layers"] == outs[1]["layers"], "both images end on the same step layer"
     assert sorted(o["cached"][0] for o in outs) == [False, True], "the step ran once"
     base_layers = {lay.digest for lay in store.resolve("bb:base").layers}
-    step_layers = [d for d in (p.stem for p in store.layers_dir.glob("*.json")) if f"sha256:{d}" not in base_layers]
+    step_layers = [d for d in store.chunks.list_hexes() if f"sha256:{d}" not in base_layers]
     assert len(step_layers) == 1, f"exactly one layer for the step: {step_layers}"
     assert not list((store.cache_dir / "steps").glob("*.claim")), "claims are released"

@@ -59,3 +59,10 @@ def test_aflocked_waits_without_blocking_the_loop(tmp_path: Path) -> None:
     order = asyncio.run(main())
     assert order[:5] == ["tick"] * 5 and order[-1] == "got"
     assert not _held_elsewhere(lock)
+
+
+def test_shared_holders_coexist_and_keep_an_exclusive_one_out(tmp_path: Path) -> None:
+    lock = tmp_path / "use.lock"
+    with flocked(lock, shared=True), flocked(lock, shared=True):  # two readers at once (two open files)
+        assert _held_elsewhere(lock)  # a writer waits
+    assert not _held_elsewhere(lock)

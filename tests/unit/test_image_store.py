@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -45,13 +46,22 @@ def test_refs_are_validated() -> None:
 def test_layers_are_content_addressed_and_deduplicated(store: ImageStore, tmp_path: Path) -> None:
     a = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "test"})
     b = store.add_layer_from_dir(_tree(tmp_path / "b"), {"type": "test"})  # same content elsewhere
-    assert a.digest == b.digest
-    assert sha256_file(a.path) == a.hex
-    assert a.path.stat().st_mode & 0o777 == 0o444
+    assert a.digest == b.digest and a.chunked
+    assert store.last_write.new_chunks == 0, "the second add stored nothing new"
+    # the digest is the sha256 of the chunk table, and the table names every chunk by its sha256
+    table = store.layer_table(a.digest)
+    assert table.digest == a.digest == "sha256:" + sha256_file(store.chunks.table_path(a.hex))
+    whole = tmp_path / "whole.erofs"
+    store.export_layer(a.digest, whole)
+    assert whole.stat().st_size == a.size == table.size
+    data = whole.read_bytes()
+    for (h, n), at in zip(table.chunks, table.offsets(), strict=True):
+        assert hashlib.sha256(data[at:at + n]).hexdigest() == h
+        assert store.chunks.chunk_path(h).stat().st_mode & 0o777 == 0o444
     assert len(store.list_layers()) == 1
-    meta = json.loads((store.layers_dir / f"{a.hex}.json").read_text())
-    assert set(meta) >= {"digest", "size", "created", "source"}
-    assert meta["size"] == a.path.stat().st_size
+    meta = json.loads(store.chunks.meta_path(a.hex).read_text())
+    assert set(meta) >= {"digest", "size", "created", "source", "table"} and meta["format"] == "chunked"
+    assert meta["size"] == a.size
     c = store.add_layer_from_dir(_tree(tmp_path / "c", tag="y"), {"type": "test"})
     assert c.digest != a.digest
     assert not any(store.tmp_dir.iterdir()), "temp files left behind"
@@ -61,7 +71,7 @@ def test_metadata_holds_no_host_paths(store: ImageStore, tmp_path: Path) -> None
     lay = store.add_layer_from_dir(_tree(tmp_path / "src"), {"type": "test"})
     store.put_image("p:v1", [lay.digest], ImageConfig(workdir="/work"), lineage={"note": "x"})
     for p in store.root.rglob("*"):
-        if p.is_file() and p.suffix != ".erofs":
+        if p.is_file() and p.suffix not in (".erofs", ".zst"):
             text = p.read_text()
             assert str(tmp_path) not in text, f"{p} mentions a host path"
 
@@ -111,7 +121,7 @@ def test_damaged_tag_and_incomplete_image_give_clear_errors(store: ImageStore, t
     with pytest.raises(ImageNotFound, match="damaged tag"):
         store.resolve("x:1")
     store.put_image("y:1", [lay.digest])
-    lay.path.unlink()  # data vanished (e.g. someone rm'ed it): the image is incomplete
+    store.chunks.meta_path(lay.hex).unlink()  # the record vanished (e.g. someone rm'ed it): incomplete
     with pytest.raises(ImageNotFound, match="incomplete"):
         store.resolve("y:1")
     assert [i.ref for i in store.list_images()] == []
@@ -127,20 +137,18 @@ def _writer(root: str, src: str, n: int, q: multiprocessing.Queue) -> None:
 
 
 def _checker(root: str, writers_done: Any, q: multiprocessing.Queue) -> None:
-    # whenever a layer looks complete (metadata present), its data must already be whole; it watches until
-    # the writers are done and then looks once more (never for a fixed time: on a busy host the writers may
-    # not have made a layer within any given window)
+    # whenever a layer looks complete (its record present), its table and every chunk must already be whole;
+    # it watches until the writers are done and then looks once more (never for a fixed time: on a busy host
+    # the writers may not have made a layer within any given window)
     st = ImageStore(Path(root))
     bad = []
     seen = 0
     while True:
         last = writers_done.is_set()
-        for meta in st.layers_dir.glob("*.json"):
-            data = meta.with_suffix(".erofs")
-            if data.exists():
-                seen += 1
-                if sha256_file(data) != meta.stem:
-                    bad.append(meta.stem)
+        for h in st.chunks.list_hexes():
+            seen += 1
+            if st.chunks.verify(h):
+                bad.append(h)
         if last:
             break
     q.put((seen, bad))
@@ -167,17 +175,22 @@ def test_concurrent_builders_of_the_same_layer_never_corrupt_it(store: ImageStor
     assert len(digests) == 1, "the same tree must give the same layer in every process"
     assert seen > 0 and bad == []
     lay = store.layer(digests.pop())
-    assert sha256_file(lay.path) == lay.hex
+    assert store.verify_layer(lay.digest)
     assert not any(store.tmp_dir.iterdir())
 
 
 def test_add_layer_file_heals_a_damaged_copy(store: ImageStore, tmp_path: Path) -> None:
     lay = store.add_layer_from_dir(_tree(tmp_path / "a"), {"type": "t"})
-    good = lay.path.read_bytes()
-    os.chmod(lay.path, 0o644)
-    lay.path.write_bytes(good[: len(good) // 2])  # a torn copy left by a crashed writer elsewhere
+    good = tmp_path / "good.erofs"
+    store.export_layer(lay.digest, good)
+    h = store.layer_table(lay.digest).chunks[0][0]
+    chunk = store.chunks.chunk_path(h)
+    blob = chunk.read_bytes()
+    os.chmod(chunk, 0o644)
+    chunk.write_bytes(blob[: len(blob) // 2])  # a torn copy left by a crashed writer elsewhere
+    assert not store.verify_layer(lay.digest)
     tmp = store.tmp_dir / "x.erofs"
-    tmp.write_bytes(good)
+    tmp.write_bytes(good.read_bytes())
     again = store.add_layer_file(tmp, {"type": "t"})
     assert again.digest == lay.digest
     assert store.verify_layer(lay.digest)

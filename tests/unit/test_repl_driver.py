@@ -191,3 +191,15 @@ def test_dataframes_give_html_text_and_data(drv: Driver) -> None:
     res = recs[1]
     assert "<table" in res["html"] and res["text"].split()[:2] == ["a", "t"]
     assert res["data"]["a"] == [1, 2] and res["data"]["t"][0].startswith("2024-01-01")
+
+
+def test_cells_run_in_main_so_multiprocessing_works(drv: Driver) -> None:
+    """Functions a cell defines pickle by reference (the cell's namespace is sys.modules['__main__']), and what
+    forked children print comes back."""
+    recs = drv.run("import multiprocessing as mp\n"
+                   "def double(x):\n    print('child', x, flush=True)\n    return 2 * x\n"
+                   "with mp.get_context('fork').Pool(2) as pool:\n    out = pool.map(double, range(4))\nout")
+    assert [r for r in recs if r["type"] == "error"] == []
+    assert recs[-1]["text"] == "[0, 2, 4, 6]"
+    printed = "".join(r["text"] for r in recs if r["type"] == "stdout")
+    assert sorted(printed.splitlines()) == ["child 0", "child 1", "child 2", "child 3"]

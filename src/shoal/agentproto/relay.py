@@ -49,16 +49,34 @@ async def _opened(client: AgentClient, s: _Stream, what: str, timeout: float | N
     raise SandboxError(f"{what}: the agent answered {F.FRAME_NAMES.get(fr.type, fr.type)} before READY")
 
 
-class PortStream:
+class _LongStream:
+    """A stream that lives until either side ends it; the client ends it with a SIGNAL frame."""
+
+    def __init__(self, client: AgentClient, stream: _Stream) -> None:
+        self._client = client
+        self._s = stream
+        self._done = False
+
+    async def _end(self) -> None:
+        """Stop listening and tell the agent to end the stream."""
+        if not self._done:
+            self._finish()
+            with contextlib.suppress(SandboxError):
+                await self._client._send(F.encode_signal(self._s.id, 9))
+
+    def _finish(self) -> None:
+        self._done = True
+        self._client._forget(self._s)
+
+
+class PortStream(_LongStream):
     """A TCP connection to a port inside the sandbox, relayed by its agent: `read`, `write`, `write_eof`,
     `close`. Ends when the server in the sandbox closes its side (`read` returns b"")."""
 
     def __init__(self, client: AgentClient, stream: _Stream, port: int, info: dict[str, Any]) -> None:
-        self._client = client
-        self._s = stream
+        super().__init__(client, stream)
         self.port = port
         self.info = info
-        self._done = False
         self.error: SandboxError | None = None
 
     @classmethod
@@ -104,14 +122,7 @@ class PortStream:
 
     async def close(self) -> None:
         """Drop the connection now (the agent resets it)."""
-        if not self._done:
-            self._finish()
-            with contextlib.suppress(SandboxError):
-                await self._client._send(F.encode_signal(self._s.id, 9))
-
-    def _finish(self) -> None:
-        self._done = True
-        self._client._forget(self._s)
+        await self._end()
 
 
 @dataclass
@@ -124,14 +135,12 @@ class WatchEvent:
     overflow: bool = False
 
 
-class WatchStream:
+class WatchStream(_LongStream):
     """The events of a directory watch, as an async iterator; `stop()` ends it."""
 
     def __init__(self, client: AgentClient, stream: _Stream, path: str) -> None:
-        self._client = client
-        self._s = stream
+        super().__init__(client, stream)
         self.path = path
-        self._done = False
 
     @classmethod
     async def opened(cls, client: AgentClient, s: _Stream, path: str) -> WatchStream:
@@ -161,11 +170,4 @@ class WatchStream:
 
     async def stop(self) -> None:
         """Stop watching (the agent removes its inotify watches)."""
-        if not self._done:
-            self._finish()
-            with contextlib.suppress(SandboxError):
-                await self._client._send(F.encode_signal(self._s.id, 9))
-
-    def _finish(self) -> None:
-        self._done = True
-        self._client._forget(self._s)
+        await self._end()

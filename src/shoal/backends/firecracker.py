@@ -163,10 +163,11 @@ class FirecrackerBackend(Backend):
                                                       "mem_size_mib": spec.memory_mb})
             await api.call("PUT", "/boot-source", {"kernel_image_path": str(guest.kernel),
                                                    "initrd_path": str(guest.initrd), "boot_args": args})
-            await asyncio.to_thread(self.ctx.layer_mounts.verify, image.layers)  # as a mount would
-            for i, lay in enumerate(image.layers):
+            # each layer is a disk: the node's layer reader's file of it (checked chunks, on demand)
+            files = await asyncio.to_thread(self.ctx.layer_mounts.acquire_files, image.layers, rec.id)
+            for i, lf in enumerate(files):
                 await api.call("PUT", f"/drives/shoal_layer{i}", {
-                    "drive_id": f"shoal_layer{i}", "path_on_host": str(lay.path), "is_root_device": False,
+                    "drive_id": f"shoal_layer{i}", "path_on_host": str(lf), "is_root_device": False,
                     "is_read_only": True})
             await api.call("PUT", "/drives/shoal_upper", {
                 "drive_id": "shoal_upper", "path_on_host": str(d / "upper.img"), "is_root_device": False,
@@ -221,6 +222,8 @@ class FirecrackerBackend(Backend):
         """Kill Firecracker and remove the sandbox directory. Idempotent."""
         if rec.init_pid and not await kill_and_wait(rec.init_pid, rec.init_start or None):
             raise SandboxError(f"firecracker pid {rec.init_pid} did not exit after SIGKILL")
+        if rec.layers:
+            await asyncio.to_thread(self.ctx.layer_mounts.release, rec.layers, rec.id)
         await asyncio.to_thread(shutil.rmtree, rec.path, True)
 
     async def pause(self, rec: SandboxRecord) -> None:

@@ -316,12 +316,12 @@ class QemuVmBackend(Backend):
         tb = st.vm_tcg_tb_mb if accel == "tcg" else 0
         quiet = "" if st.vm_verbose else " quiet loglevel=3"
         if self.machine == "microvm":
-            # the guest reads the store files as disks: check them like a mount would (first use per node)
-            await asyncio.to_thread(self.ctx.layer_mounts.verify, image.layers)
+            # the guest reads each layer as a disk: the node's layer reader's file of it, so every block the
+            # guest reads comes from a checked chunk, fetched on demand (released in destroy)
+            files = await asyncio.to_thread(self.ctx.layer_mounts.acquire_files, image.layers, rec.id)
             guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent())
             await asyncio.to_thread(vm_images.make_upper_disk, d / "upper.img", spec.disk_mb)
-            drives = [Drive(f"layer{i}", str(lay.path), "raw", True, f"shoal-layer{i}")
-                      for i, lay in enumerate(image.layers)]
+            drives = [Drive(f"layer{i}", str(f), "raw", True, f"shoal-layer{i}") for i, f in enumerate(files)]
             drives.append(Drive("upper", str(d / "upper.img"), "raw", False, "shoal-upper"))
             # no PCI on microvm; TCG's TSC is the host's (reliable); crypto self-tests cost ~0.3 s under TCG
             cmdline = (f"console=ttyS0 reboot=t panic=-1 pci=off tsc=reliable cryptomgr.notests{quiet} "
@@ -382,6 +382,8 @@ class QemuVmBackend(Backend):
                 errors.append(f"QEMU pid {pid} did not exit after SIGKILL")
         if errors:
             raise SandboxError(f"cleanup of sandbox {rec.id} was incomplete: " + "; ".join(errors))
+        if rec.layers:  # a microVM's layer drives (acquire_files); a no-op for a full VM
+            await asyncio.to_thread(self.ctx.layer_mounts.release, rec.layers, rec.id)
         await asyncio.to_thread(shutil.rmtree, rec.path, True)
 
     # ---- pause / resume
@@ -607,6 +609,14 @@ async def _restore_one(ctx: NodeContext, snap: Path, meta: dict[str, Any]) -> Sa
                     dst = d / Path(drv.path).name
                     await asyncio.to_thread(copy_sparse, snap / Path(drv.path).name, dst)
                     drv.path = str(dst)
+            if backend.machine == "microvm" and rec.layers:
+                # the layer disks: this sandbox's own use of the node's layer reader files (released in destroy)
+                lays = [ctx.store.layer("sha256:" + h) for h in rec.layers]
+                files = await asyncio.to_thread(ctx.layer_mounts.acquire_files, lays, rec.id)
+                by_id = {f"layer{i}": str(f) for i, f in enumerate(files)}
+                for drv in cfg.drives:
+                    if drv.readonly and drv.id in by_id:
+                        drv.path = by_id[drv.id]
             rec.extra["vm"] = cfg.to_dict()
             rec.save()
             pid, start = await launch(qemu_argv(qemu, cfg, d, incoming=True), d)

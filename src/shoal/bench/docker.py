@@ -165,9 +165,9 @@ class DockerEngine:
 
     # ---- containers --------------------------------------------------------------------------
     async def create_start(self, cmd: list[str] | None = None, memory_mb: int = 1024, cpus: float = 1.0,
-                           pids: int = 512) -> str:
+                           pids: int = 512, image: str | None = None) -> str:
         """`docker run -d` through the API (create + start): returns the container id once it runs."""
-        body = {"Image": self.image, "Cmd": cmd or ["sleep", "infinity"], "WorkingDir": "/root",
+        body = {"Image": image or self.image, "Cmd": cmd or ["sleep", "infinity"], "WorkingDir": "/root",
                 "HostConfig": {"NetworkMode": "none", "Memory": memory_mb << 20, "NanoCpus": int(cpus * 1e9),
                                "PidsLimit": pids}}
         r = await self.client.post("/containers/create", json=body)

@@ -29,7 +29,9 @@ SCENARIOS: dict[str, str] = {
     "compat": "shoal.bench.scenarios.compat",
     "cluster": "shoal.bench.scenarios.cluster",
     "store": "shoal.bench.scenarios.store",
+    "chunkread": "shoal.bench.scenarios.chunkread",
     "build": "shoal.bench.scenarios.build",
+    "pull": "shoal.bench.scenarios.pull",
     "gvisor": "shoal.bench.scenarios.gvisor",
     "dashboard": "shoal.bench.scenarios.dashboard",
     "soak": "shoal.bench.scenarios.soak",
@@ -39,7 +41,7 @@ SCENARIOS: dict[str, str] = {
 ALIASES: dict[str, str] = {"ksm": "sharing", "image": "lazy", "images": "lazy", "snapshot": "fork", "stateful": "pause",
                            "api-server": "api", "ui": "dashboard", "events": "dashboard",
                            "e2b": "compat", "swerex": "compat", "ray": "cluster",
-                           "dockerfile": "build", "churn": "soak"}
+                           "dockerfile": "build", "churn": "soak", "registry": "pull", "registries": "pull"}
 
 
 class UnknownScenario(ValueError):

@@ -371,6 +371,69 @@ def image_pull(
                   highlight=False)
 
 
+@image_app.command("export")
+def image_export(
+    name: Annotated[str, typer.Argument(help="the image (name[:tag] or name@sha256:…)")],
+    output: Annotated[str, typer.Option("--output", "-o", help="the archive to write, or - for stdout")],
+    tag: Annotated[list[str] | None, typer.Option("--tag", "-t", help="RepoTags in the archive (default: "
+                                                                       "the image's name:tag)")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Write an image as a docker-archive: `shoal image export task-17:step3 -o x.tar && docker load -i x.tar`."""
+    import sys
+
+    from shoal.images.export import export_image
+
+    store = _store()
+
+    def log(msg: str) -> None:
+        if not quiet:
+            err_console.print(f"  {escape(msg)}", highlight=False)
+
+    async def go() -> Any:
+        import asyncio
+
+        target: Any = sys.stdout.buffer if output == "-" else Path(output)
+        return await asyncio.to_thread(export_image, store, name, target, repo_tags=tag or None, log=log,
+                                       work_dir=_local_tmp())
+
+    rep = run_async(go)
+    if output != "-":
+        console.print(f"[green]exported[/green] {rep.image} to {output} ({rep.layers} layers, {_mib(rep.bytes)}, "
+                      f"{rep.seconds:.1f}s)", highlight=False)
+
+
+@image_app.command("push")
+def image_push(
+    name: Annotated[str, typer.Argument(help="the image in the store")],
+    reference: Annotated[str, typer.Argument(help="where to push it: registry/repository:tag "
+                                                  "(e.g. localhost:5000/team/env:1)")],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Push an image to a registry (Docker v2, gzip layers; blobs it has are skipped; Docker's credentials)."""
+    from shoal.images.export import push_image
+
+    store = _store()
+
+    def log(msg: str) -> None:
+        if not quiet and not as_json:
+            err_console.print(f"  {escape(msg)}", highlight=False)
+
+    async def go() -> Any:
+        import asyncio
+
+        return await asyncio.to_thread(push_image, store, name, reference, progress=log, work_dir=_local_tmp())
+
+    rep = run_async(go)
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=1))
+        return
+    console.print(f"[green]pushed[/green] {rep.image} to {rep.target} {rep.manifest_digest[:19]} "
+                  f"({rep.layers_uploaded} layers uploaded, {rep.layers_present} already there, "
+                  f"{_mib(rep.bytes)})", highlight=False)
+
+
 @image_app.command("import")
 def image_import(
     source: Annotated[str, typer.Argument(help="FILE.tar (docker save / OCI layout, maybe .gz/.zst) or "
@@ -550,39 +613,59 @@ def image_gc(
 def image_verify(
     names: Annotated[list[str] | None,
                      typer.Argument(help="images to check (default: every layer in the store)")] = None,
-    remove_corrupt: Annotated[bool, typer.Option("--remove-corrupt", help="delete corrupt layers so that a "
-                                                 "rebuild or re-import stores them afresh")] = False,
+    remove_corrupt: Annotated[bool, typer.Option("--remove-corrupt", help="delete damaged chunks and the layers "
+                                                 "that use them, so that a rebuild or re-import stores them "
+                                                 "afresh")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Hash layers against their digests; list corrupt ones and the images that use them (exit 1 if any)."""
+    """Check every chunk of the layers against its digest (each shared chunk once) and the marks nodes left
+    when a chunk failed as they read it; list corrupt layers and the images that use them (exit 1 if any).
+    A marked layer that checks clean again (a rebuild or re-import rewrote the chunk) is unmarked."""
     from shoal.errors import ShoalError
-    from shoal.images.integrity import hash_file
+    from shoal.images import corruption
 
     store = _store()
     try:
-        layers = ({lay.digest: lay for n in names for lay in store.resolve(n).layers}.values() if names
-                  else store.list_layers())
+        layers = list({lay.digest: lay for n in names for lay in store.resolve(n).layers}.values() if names
+                      else store.list_layers())
     except ShoalError as e:
         _fail(e.message)
     users: dict[str, list[str]] = {}
     for img in store.list_images():
         for lay in img.layers:
             users.setdefault(lay.digest, []).append(img.ref)
+    marks = corruption.read_marks(store.root)
+    checked: dict[str, bool] = {}
     bad = []
+    cleared = []
     for lay in layers:
-        try:
-            ok = lay.path.stat().st_size == lay.size and hash_file(lay.path) == lay.hex
-        except OSError:
-            ok = False
-        if not ok:
-            bad.append({"layer": lay.digest, "images": sorted(users.get(lay.digest, []))})
+        problems: list[tuple[str, str]] = []
+        if lay.chunked:
+            problems = store.chunks.verify(lay.hex, checked)
+        elif not store.verify_layer(lay.digest):  # a whole-file layer not converted yet: hash the file
+            problems = [("file", "corrupt")]
+        if not problems and lay.hex in marks:
+            corruption.clear(store.root, lay.hex)
+            cleared.append(lay.digest)
+        if problems:
+            bad.append({"layer": lay.digest, "images": sorted(users.get(lay.digest, [])),
+                        "chunks": [{"chunk": c if c in ("table", "file") else f"sha256:{c}", "problem": why}
+                                   for c, why in problems]})
             if remove_corrupt:
+                for c, why in problems:
+                    if len(c) == 64 and why == "corrupt":
+                        store.chunks.chunk_path(c).unlink(missing_ok=True)
                 store.remove_layer(lay.digest)
     if as_json:
-        print(json.dumps({"checked": len(list(layers)), "corrupt": bad, "removed": remove_corrupt}, indent=1))
+        print(json.dumps({"checked": len(layers), "chunks_checked": len(checked), "corrupt": bad,
+                          "unmarked": cleared, "removed": remove_corrupt}, indent=1))
     else:
-        console.print(f"checked {len(list(layers))} layers: {len(bad)} corrupt")
+        console.print(f"checked {len(layers)} layers ({len(checked)} chunks): {len(bad)} corrupt")
         for b in bad:
             what = "removed" if remove_corrupt else "corrupt"
-            console.print(f"  {what} {b['layer']}  used by: {', '.join(b['images']) or '-'}")
+            first = b["chunks"][0]
+            console.print(f"  {what} {b['layer']}  ({len(b['chunks'])} bad: {first['chunk']} {first['problem']})  "
+                          f"used by: {', '.join(b['images']) or '-'}")
+        for d in cleared:
+            console.print(f"  repaired {d}: its chunks check clean again, the mark is gone")
     raise typer.Exit(1 if bad else 0)

@@ -1,4 +1,4 @@
-"""Garbage collection of the store: layers no image and no live sandbox references.
+"""Garbage collection of the store: layers no image and no live sandbox references, then chunks no layer names.
 
 A layer is kept when any of these holds:
 - a tagged image lists it (or an untagged image version younger than the grace period: a build or
@@ -13,6 +13,11 @@ A layer is kept when any of these holds:
 gc takes no lock (the store may be shared by many hosts); the grace period is what makes it safe.
 Untagged manifests, cache entries pointing at missing layers, orphan data files and stale temp files
 (older than the grace period) go too.
+
+Chunks: after the layers, every chunk object that no remaining layer's table names and that was not
+written or re-used within the grace period is removed (a writer re-using a chunk renews its mtime before
+it publishes the table naming it, so a layer being written never loses a chunk). A lease protects a
+layer, and so its table, and so its chunks. Start records and corrupt marks of removed layers go too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 from shoal.config import Paths
 from shoal.host import syscalls
 from shoal.images import leases
+from shoal.images.chunkd import erofs_sources
 from shoal.images.store import ImageStore
 
 DEFAULT_GRACE_S = 3600.0
@@ -45,6 +51,7 @@ class GcReport:
     removed_cache_entries: int = 0
     removed_tmp: int = 0
     removed_orphans: int = 0
+    removed_chunks: int = 0
     freed_bytes: int = 0
     kept_referenced: int = 0
     kept_in_use: list[str] = field(default_factory=list)
@@ -64,30 +71,23 @@ def _host_prefix() -> str:
 
 
 def _mounted_layer_files(store: ImageStore) -> set[str]:
-    """Hexes of store layers mounted on this host (file-backed or through a loop device)."""
+    """Hexes of store layers mounted on this host (file-backed or through a loop device): whole files of
+    the store, or any node's layer reader files (<home>/chunkfs/<S>/<hex>.erofs; counted whatever store the
+    reader serves: keeping a layer too long is safe, removing one in use is not)."""
     layers_dir = os.path.realpath(store.layers_dir)
     out: set[str] = set()
 
     def note(path: str) -> None:
-        p = os.path.realpath(path.removesuffix(" (deleted)"))
-        if os.path.dirname(p) == layers_dir and p.endswith(".erofs"):
-            out.add(os.path.basename(p)[: -len(".erofs")])
+        p = path.removesuffix(" (deleted)")
+        name = os.path.basename(p)
+        if not name.endswith(".erofs") or len(name) != 70:
+            return
+        if os.path.basename(os.path.dirname(os.path.dirname(p))) == "chunkfs" or \
+                os.path.dirname(os.path.realpath(p)) == layers_dir:
+            out.add(name[: -len(".erofs")])
 
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            parts = line.decode("utf-8", "surrogateescape").split()
-            try:
-                sep = parts.index("-")
-            except ValueError:
-                continue
-            if parts[sep + 1] != "erofs":
-                continue
-            src = syscalls._unescape(parts[sep + 2])
-            if src.startswith("/dev/loop"):
-                with contextlib.suppress(OSError):
-                    note(Path(f"/sys/block/{os.path.basename(src)}/loop/backing_file").read_text().strip())
-            else:
-                note(src)
+    for src in erofs_sources():
+        note(src)
     return out
 
 
@@ -110,10 +110,14 @@ def _leased(store: ImageStore, mounted_here: set[str], dry_run: bool, lease_max_
                     out.add(hdir.name)
                     continue
                 try:
-                    mp = json.loads(lease.read_text()).get("mountpoint", "")
-                except (OSError, ValueError):
-                    mp = ""
+                    info = json.loads(lease.read_text())
+                    mp, users = info.get("mountpoint", ""), info.get("users", "")
+                except (OSError, ValueError, AttributeError):
+                    mp = users = ""
                 if mp and syscalls.is_mountpoint(mp):
+                    out.add(hdir.name)
+                    continue
+                if users and _nonempty_dir(users):  # a VM drive reads the layer without a mount
                     out.add(hdir.name)
                     continue
                 if not dry_run:
@@ -135,6 +139,14 @@ def _leased(store: ImageStore, mounted_here: set[str], dry_run: bool, lease_max_
             with contextlib.suppress(OSError):
                 hdir.rmdir()
     return out
+
+
+def _nonempty_dir(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
 
 
 def _local_users(paths: Paths | None) -> tuple[set[str], set[str]]:
@@ -211,10 +223,9 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
 
     in_use = local_l | mounted | leased
     candidates = []
-    for p in sorted(store.layers_dir.glob("*.json")):
-        h = p.stem
-        if len(h) != 64:
-            continue
+    all_hexes = {p.stem for p in store.layers_dir.glob("*.json") if len(p.stem) == 64}
+    all_hexes.update(store.chunks.list_hexes())
+    for h in sorted(all_hexes):
         if h in tagged_l:
             report.kept_referenced += 1
         elif h in in_use:
@@ -239,6 +250,8 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
         if not dry_run:
             store.remove_layer("sha256:" + h)
 
+    _sweep_chunks(store, cutoff, set(report.removed_layers) if dry_run else set(), dry_run, report)
+
     removed = set(report.removed_layers)
     for kind in _CACHE_KINDS:
         for key, entry in store.cache_entries(kind):
@@ -256,6 +269,33 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
             if _older_than(p, cutoff):
                 report.removed_tmp += 1
                 if not dry_run:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+
+    # orphans of chunked layers: a table without its record (a writer died between the two), a conversion
+    # claim of a converter that died, start records and corrupt marks of layers that are gone
+    for p in (store.chunks.layers_dir.iterdir() if store.chunks.layers_dir.is_dir() else []):
+        if p.name.endswith((".table", ".converting")) or p.name.startswith(".tmp-"):
+            h = p.name.split(".", 1)[0]
+            if p.name.endswith(".table") and store.chunks.has(h):
+                continue
+            if _older_than(p, cutoff):
+                report.removed_orphans += 1
+                if not dry_run:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+    present = None if dry_run else {lay.hex for lay in store.list_layers()}
+    for sub in ("prefetch", "corrupt"):
+        sub_dir = store.root / sub
+        if present is None or not sub_dir.is_dir():
+            continue
+        for p in sub_dir.iterdir():
+            h = p.name.split(".", 1)[0]
+            if len(h) == 64 and h not in present and _older_than(p, cutoff):
+                report.removed_orphans += 1
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
                     with contextlib.suppress(OSError):
                         p.unlink()
 
@@ -291,6 +331,38 @@ def collect_garbage(store: ImageStore, paths: Paths | None = None, *, grace_s: f
                 with contextlib.suppress(OSError):
                     p.unlink()
     return report
+
+
+def _sweep_chunks(store: ImageStore, cutoff: float, also_gone: set[str], dry_run: bool, report: GcReport) -> None:
+    """Remove chunk objects no remaining layer's table names, unless written or re-used after `cutoff`.
+    `also_gone`: layers a dry run would have removed (their tables do not count)."""
+    named: set[str] = set()
+    for h in store.chunks.list_hexes():
+        if f"sha256:{h}" in also_gone:
+            continue
+        try:
+            t = store.chunks.table(h)
+        except Exception:
+            # a table that cannot be read names chunks we cannot know: keep every chunk this round
+            with contextlib.suppress(OSError):
+                if store.chunks.table_path(h).exists():
+                    return
+            continue
+        named.update(x for x, _ in t.chunks)
+    for hexd, path in store.chunks.iter_chunk_files():
+        if hexd in named:
+            continue
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_mtime >= cutoff:
+            continue
+        report.removed_chunks += 1
+        report.freed_bytes += st.st_size
+        if not dry_run:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _older_than(p: Path, cutoff: float) -> bool:

@@ -1,8 +1,10 @@
 """Leases: "node K has layer H mounted", as files in the (maybe shared) store that every node's gc reads.
 
-    <store>/leases/<hex>/<host key>     {"host", "mountpoint", "since", "pid"}; mtime = last heartbeat
+    <store>/leases/<hex>/<host key>     {"host", "mountpoint", "users", "since", "pid"}; mtime = last heartbeat
 
-A node writes a lease when it mounts a layer and removes it at the last unmount (shoal.images.mounts).
+A node writes a lease when it starts using a layer (a mount, or a VM drive reading the layer's file) and
+removes it at the last release (shoal.images.mounts). A lease protects the layer's record, its chunk table
+and, through the table, every chunk it names: gc keeps a chunk while any kept layer names it.
 While the layer stays mounted the node agent renews the lease's mtime every SHOAL_LEASE_HEARTBEAT_S
 (default 60 s). gc on any node keeps every layer with a live lease; a lease not renewed for
 SHOAL_LEASE_TTL_S (default 900 s = 15 heartbeats) belongs to a node that died (or lost the store) and no
@@ -45,11 +47,13 @@ def lease_path(store_root: Path, layer_hex: str, key: str) -> Path:
     return Path(store_root) / "leases" / layer_hex / key
 
 
-def write_lease(store_root: Path, layer_hex: str, key: str, mountpoint: Path) -> Path:
-    """Create (or replace) a lease; returns its path."""
+def write_lease(store_root: Path, layer_hex: str, key: str, mountpoint: Path, users: Path | None = None) -> Path:
+    """Create (or replace) a lease; returns its path. `users`: the directory of the layer's users on this
+    host (a VM drive uses a layer without a mount)."""
     p = lease_path(store_root, layer_hex, key)
     atomic_write(p, json.dumps({"host": socket.gethostname(), "mountpoint": str(mountpoint),
-                                "since": time.time(), "pid": os.getpid()}).encode(), fsync=False)
+                                "users": str(users) if users else "", "since": time.time(),
+                                "pid": os.getpid()}).encode(), fsync=False)
     return p
 
 

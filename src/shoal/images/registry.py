@@ -282,10 +282,14 @@ class RegistryClient:
             host = re.sub(r"^[a-z]+://", "", url).split("/", 1)[0]
             out.append(Endpoint(base=url.rstrip("/"), host=host, mirror=True))
         if self.fallback or not out:
-            host = DOCKER_HUB_API if ref.registry == DOCKER_HUB else ref.registry
-            insecure = _is_loopback(host) or host.lower() in self.insecure
-            out.append(Endpoint(base=f"https://{host}", host=host, http_fallback=insecure))
+            out.append(self.registry_endpoint(ref))
         return out
+
+    def registry_endpoint(self, ref: Reference) -> Endpoint:
+        """The registry itself (never a mirror: where a push goes)."""
+        host = DOCKER_HUB_API if ref.registry == DOCKER_HUB else ref.registry
+        insecure = _is_loopback(host) or host.lower() in self.insecure
+        return Endpoint(base=f"https://{host}", host=host, http_fallback=insecure)
 
     # ---- requests with auth and retries ------------------------------------------------------
     def _auth_header(self, ep: Endpoint, scope: str) -> dict[str, str]:

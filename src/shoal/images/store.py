@@ -3,23 +3,31 @@
 Layout under SHOAL_STORE (safe to share between hosts: no host paths inside, every write is a
 temp file + link/rename, and no lock is needed because every object is immutable and named by its hash):
 
-    layers/sha256/<hex>.erofs     an EROFS filesystem image (read-only, 0444)
-    layers/sha256/<hex>.json      {digest, size, created, source, format}; its mtime = last time used
+    chunks/sha256/<aa>/<hex>.zst  one chunk of layer data: a zstd frame of the bytes hashing to <hex>
+    chunked/sha256/<hex>.table    a layer's chunk table (its digest is the layer digest: shoal.images.chunking)
+    chunked/sha256/<hex>.json     {digest, size, created, source, format: "chunked", table, legacy}
+    layers/sha256/<hex>.erofs     a layer in the earlier whole-file format (read-only, 0444); converted to
+    layers/sha256/<hex>.json      chunks on first use or by `shoal store migrate` (shoal.images.migrate)
     manifests/sha256/<hex>.json   an image version: {layers: [bottom..top], config, created, lineage}
     tags/<name>/<tag>             text: the manifest digest this tag points at (tags move)
     cache/<kind>/<key>.json       build caches (recipe steps, OCI diff_id -> layer); never pin a layer
     leases/<hex>/<host>           "this node has the layer mounted"; mtime = last heartbeat (leases.py; gc)
+    corrupt/<hex>/<chunk hex>     "a node read this chunk of layer <hex> and it was bad" (corruption.py)
+    prefetch/<hex>.json           which chunks a layer's first sandbox read at start (prefetch.py)
     tmp/                          temp files of writes in progress
 
-A layer is visible (complete) only once its `.json` exists, and the `.json` is written after the data
-file is in place, so a reader never sees a half-written layer. What a shared filesystem must provide
-for this (rename, link with EEXIST, close-to-open) is in docs/images.md, "Shared stores".
+A layer is visible (complete) only once its `.json` exists, and the `.json` is written after its data
+(chunks, table; or the whole file) is in place, so a reader never sees a half-written layer. What a shared
+filesystem must provide for this (rename, link with EEXIST, close-to-open) is in docs/images.md, "Shared
+stores". A layer's digest is the sha256 of its chunk table (which names every chunk by its sha256), so a
+manifest digest pins every byte; a converted whole-file layer keeps its old digest (docs/images.md,
+"Chunked layers").
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import hashlib
 import os
 import re
 import time
@@ -38,6 +46,8 @@ from shoal.fsutil import (
     sha256_file,
     tmp_name,
 )
+from shoal.images.chunking import ChunkTable
+from shoal.images.chunkstore import ChunkStats, ChunkStore
 from shoal.images.erofs import build_erofs
 from shoal.images.refs import ImageRef, parse_ref
 
@@ -112,13 +122,20 @@ class ImageConfig:
 
 @dataclass
 class Layer:
-    """One immutable EROFS layer in the store."""
+    """One immutable EROFS layer in the store.
+
+    `format` is "chunked" (its bytes are chunks named by its table; `path` is where a whole file of the
+    earlier format would be and usually does not exist: read the bytes with ImageStore.export_layer, or on
+    a node through LayerMounts) or "erofs" (a whole file at `path`, not converted yet)."""
 
     digest: str  # "sha256:<hex>"
     path: Path
     size: int
     created: float = 0.0
     source: dict[str, Any] = field(default_factory=dict)
+    format: str = "erofs"
+    #: the digest of its chunk table (== digest, except for a converted whole-file layer)
+    table: str | None = None
 
     @property
     def hex(self) -> str:
@@ -127,7 +144,13 @@ class Layer:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (no host paths)."""
-        return {"digest": self.digest, "size": self.size, "created": self.created, "source": self.source}
+        return {"digest": self.digest, "size": self.size, "created": self.created, "source": self.source,
+                "format": self.format}
+
+    @property
+    def chunked(self) -> bool:
+        """True when the layer's bytes are stored as chunks."""
+        return self.format == "chunked"
 
 
 @dataclass
@@ -171,22 +194,6 @@ def check_digest(digest: str) -> str:
 _check_digest = check_digest  # older name, kept for callers
 
 
-def _holds(path: Path, hexd: str, size: int) -> bool:
-    """True when `path` exists with exactly the bytes of digest `hexd` (hashed: a same-size file may be corrupt)."""
-    try:
-        return path.stat().st_size == size and sha256_file(path) == hexd
-    except FileNotFoundError:
-        return False
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ImageStore:
     """Content-addressed layers and named, versioned images in one directory (maybe shared)."""
 
@@ -201,28 +208,40 @@ class ImageStore:
         for d in (self.layers_dir, self.manifests_dir, self.tags_dir, self.tmp_dir, self.cache_dir,
                   self.leases_dir):
             d.mkdir(parents=True, exist_ok=True)
+        #: chunk objects and chunked-layer records (shoal.images.chunkstore)
+        self.chunks = ChunkStore(self.root)
+        #: what the last add_layer_file / copy did (chunks written, bytes re-used): benchmarks and migrate
+        self.last_write = ChunkStats()
         from shoal.images.probe import ensure_marker
 
         ensure_marker(self.root)  # the small file `shoal store check` and the nodes' probes read
 
     # ---- layers -------------------------------------------------------------------------------
     def layer_path(self, digest: str) -> Path:
-        """Where the EROFS file of `digest` lives (it may not exist)."""
+        """Where the whole EROFS file of `digest` would be in the earlier format (it exists only for layers
+        not converted to chunks; read a layer's bytes with `export_layer` or `iter_layer_bytes`)."""
         return self.layers_dir / f"{check_digest(digest)[7:]}.erofs"
 
     def _meta_path(self, digest: str) -> Path:
         return self.layers_dir / f"{check_digest(digest)[7:]}.json"
 
     def has_layer(self, digest: str) -> bool:
-        """True when the layer file and its metadata are both present."""
+        """True when the layer is complete here (chunked, or a whole file and its metadata)."""
         hexd = check_digest(digest)[7:]
+        if self.chunks.has(hexd):
+            return True
         return (self.layers_dir / f"{hexd}.erofs").exists() and (self.layers_dir / f"{hexd}.json").exists()
 
     def layer(self, digest: str) -> Layer:
         """Look up one layer; ImageNotFound when absent."""
         hexd = check_digest(digest)[7:]
-        meta_path = self.layers_dir / f"{hexd}.json"
         path = self.layers_dir / f"{hexd}.erofs"
+        if self.chunks.has(hexd):
+            meta = self.chunks.meta(hexd)
+            return Layer(digest=digest, path=path, size=int(meta.get("size", 0)),
+                         created=float(meta.get("created", 0)), source=meta.get("source") or {},
+                         format="chunked", table=self.chunks.table_digest(hexd, meta))
+        meta_path = self.layers_dir / f"{hexd}.json"
         try:
             meta = read_json(meta_path)
         except FileNotFoundError:
@@ -236,48 +255,28 @@ class ImageStore:
 
     def list_layers(self) -> list[Layer]:
         """Every complete layer in the store."""
+        hexes = set(self.chunks.list_hexes())
+        hexes.update(p.stem for p in self.layers_dir.glob("*.json") if _HEX64.match(p.stem))
         out = []
-        for p in sorted(self.layers_dir.glob("*.json")):
-            if not _HEX64.match(p.stem):
-                continue
+        for h in sorted(hexes):
             with contextlib.suppress(ImageNotFound, ValueError, OSError):
-                out.append(self.layer("sha256:" + p.stem))
+                out.append(self.layer("sha256:" + h))
         return out
 
     def add_layer_file(self, erofs_file: Path, source: dict[str, Any]) -> Layer:
-        """Move a finished EROFS file (inside this store's tmp/) into place under its digest.
+        """Store a finished EROFS file (inside this store's tmp/) as a chunked layer, and remove the file.
 
-        Safe against concurrent writers of the same layer on this or another host: the data file is
-        published with link(2) (never replacing bytes someone may have mounted), metadata after it.
+        The returned layer's digest is the sha256 of its chunk table (earlier versions named a layer by the
+        sha256 of the whole file; docs/images.md, "Chunked layers"). Safe against concurrent writers of the
+        same layer on this or another host: chunks are published with link(2) (a damaged existing chunk is
+        replaced), the table and the record after them.
         """
         erofs_file = Path(erofs_file)
-        _fsync_path(erofs_file)
-        hexd = sha256_file(erofs_file)
-        digest = f"sha256:{hexd}"
-        final = self.layers_dir / f"{hexd}.erofs"
-        size = erofs_file.stat().st_size
-        os.chmod(erofs_file, 0o444)
-        try:
-            os.link(erofs_file, final)
-        except FileExistsError:
-            # someone (maybe another node) already stored these bytes; heal a damaged (torn, truncated or
-            # bit-flipped) copy by renaming ours over it: nodes that mounted the old file keep its inode
-            if not _holds(final, hexd, size):
-                os.rename(erofs_file, final)
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                raise
-            # a shared filesystem without hard links: rename is still atomic
-            if not _holds(final, hexd, size):
-                os.rename(erofs_file, final)
+        stats = ChunkStats()
+        digest, _ = self.chunks.add_file(erofs_file, source, stats=stats)
+        self.last_write = stats
         with contextlib.suppress(FileNotFoundError):
             erofs_file.unlink()
-        meta_path = self.layers_dir / f"{hexd}.json"
-        if meta_path.exists():
-            self.touch_layer(digest)
-        else:
-            atomic_write_json(meta_path, {"digest": digest, "size": size, "created": time.time(),
-                                          "source": source, "format": "erofs"})
         return self.layer(digest)
 
     def add_layer_from_dir(self, src_dir: Path, source: dict[str, Any], compress: str | None = None) -> Layer:
@@ -290,8 +289,47 @@ class ImageStore:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 
+    def layer_table(self, digest: str) -> ChunkTable:
+        """The chunk table of a chunked layer, checked against its digest (ImageCorrupt when it does not
+        match; ImageNotFound for a layer not chunked: see `convert_layer`)."""
+        hexd = check_digest(digest)[7:]
+        if not self.chunks.has(hexd):
+            raise ImageNotFound(f"layer {digest} is not stored as chunks in {self.root}")
+        return self.chunks.table(hexd)
+
+    def convert_layer(self, digest: str) -> Layer:
+        """Store a whole-file layer as chunks (keeping its digest and, for older readers, its file); the
+        file's bytes must hash to the digest (ImageCorrupt otherwise). A no-op for a chunked layer."""
+        from shoal.images.migrate import convert_layer
+
+        return convert_layer(self, digest)
+
+    def export_layer(self, digest: str, dest: Path) -> Path:
+        """Write a layer's whole EROFS image to `dest` (every chunk checked); for tools that want a file."""
+        lay = self.layer(digest)
+        tmp = Path(dest).parent / tmp_name("export-")
+        try:
+            with open(tmp, "wb") as out:
+                if lay.chunked:
+                    self.chunks.export(lay.hex, out)
+                else:
+                    h = hashlib.sha256()
+                    with open(lay.path, "rb") as f:
+                        while b := f.read(1 << 20):
+                            h.update(b)
+                            out.write(b)
+                    if h.hexdigest() != lay.hex:
+                        raise ImageCorrupt(f"layer {digest} is corrupt (its file does not hash to its digest)")
+            os.rename(tmp, dest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return Path(dest)
+
     def touch_layer(self, digest: str) -> None:
         """Mark a layer as just used (its metadata mtime): gc's grace period then protects it."""
+        hexd = check_digest(digest)[7:]
+        self.chunks.touch(hexd)
         with contextlib.suppress(OSError):
             os.utime(self._meta_path(digest))
 
@@ -299,26 +337,38 @@ class ImageStore:
         """Newest of: created, metadata mtime, data mtime (0 when absent)."""
         hexd = check_digest(digest)[7:]
         t = 0.0
-        for suffix in (".json", ".erofs"):
+        paths = [self.layers_dir / f"{hexd}{suffix}" for suffix in (".json", ".erofs")]
+        paths += [self.chunks.meta_path(hexd), self.chunks.table_path(hexd)]
+        for p in paths:
             with contextlib.suppress(OSError):
-                t = max(t, (self.layers_dir / f"{hexd}{suffix}").stat().st_mtime)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            t = max(t, float(read_json(self.layers_dir / f"{hexd}.json").get("created", 0)))
+                t = max(t, p.stat().st_mtime)
+        for p in (self.layers_dir / f"{hexd}.json", self.chunks.meta_path(hexd)):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                t = max(t, float(read_json(p).get("created", 0)))
         return t
 
     def verify_layer(self, digest: str) -> bool:
-        """True when the layer's bytes still hash to its digest."""
+        """True when every byte of the layer still hashes to what its digest pins."""
+        hexd = check_digest(digest)[7:]
+        if self.chunks.has(hexd):
+            return not self.chunks.verify(hexd)
         try:
-            return sha256_file(self.layer_path(digest)) == check_digest(digest)[7:]
+            return sha256_file(self.layer_path(digest)) == hexd
         except FileNotFoundError:
             return False
 
     def remove_layer(self, digest: str) -> None:
-        """Delete a layer's metadata then its data (metadata first, so it never looks complete)."""
+        """Delete a layer's records then its data (records first, so it never looks complete); its chunks
+        stay until gc finds no table naming them."""
         hexd = check_digest(digest)[7:]
+        self.chunks.remove(hexd)
         for suffix in (".json", ".erofs"):
             with contextlib.suppress(FileNotFoundError):
                 (self.layers_dir / f"{hexd}{suffix}").unlink()
+        from shoal.images import corruption, prefetch
+
+        corruption.clear(self.root, hexd)
+        prefetch.remove(self.root, hexd)
 
     # ---- manifests and tags -------------------------------------------------------------------
     def _tag_path(self, name: str, tag: str) -> Path:
@@ -491,28 +541,26 @@ class ImageStore:
 
     def copy_image_from(self, other: ImageStore, ref: str, as_ref: str | None = None, *, link: bool = True) -> Image:
         """Bring image `ref` of another store into this one as `as_ref` (default: the same name:tag).
-        Layers are hard-linked when both stores share a filesystem (and `link`), else copied; re-verified."""
-        import shutil
-
+        Chunks are checked as they are read and stored once (those this store has are re-used); a whole-file
+        layer is converted to chunks on the way. `link` is kept for callers (chunks are always copied)."""
         img = other.resolve(ref)
+        stats = ChunkStats()
         for lay in img.layers:
             if self.has_layer(lay.digest):
+                self.touch_layer(lay.digest)
                 continue
-            tmp = self.tmp_dir / (tmp_name("copy-") + ".erofs")
-            try:
-                if not link:
-                    raise OSError("copy requested")
-                os.link(lay.path, tmp)
-            except OSError:
-                shutil.copyfile(lay.path, tmp)
-            try:
-                got = self.add_layer_file(tmp, lay.source)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-            if got.digest != lay.digest:
-                self.remove_layer(got.digest)
-                raise ImageCorrupt(f"layer {lay.digest} of {other.root} is corrupt (its bytes hash to {got.digest})")
+            if lay.chunked:
+                t = other.layer_table(lay.digest)
+                for hexd, n in t.unique().items():
+                    data = other.chunks.read_chunk(hexd, n)
+                    new, stored = self.chunks.put_chunk(hexd, data)
+                    stats.add(new, n, stored)
+                meta = other.chunks.meta(lay.hex)
+                self.chunks.publish(lay.hex, t, lay.source, legacy=bool(meta.get("legacy")),
+                                    created=float(meta.get("created", 0)) or None)
+            else:
+                self.chunks.add_file(lay.path, lay.source, legacy_digest=lay.digest, stats=stats)
+        self.last_write = stats
         target = as_ref or (img.ref if img.tag else f"{img.name}:latest")
         return self.put_image(target, [lay.digest for lay in img.layers], img.config,
                               lineage=dict(img.lineage, copied_from=img.digest))

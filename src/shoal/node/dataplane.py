@@ -49,6 +49,9 @@ class DataPlane:
         if r.signal == 9 or r.exit_code == 137:
             self.check_oom(rec, cmd=cmd, when=f"{via} killed by SIGKILL")
 
+    async def after_command(self, rec: SandboxRecord) -> None:  # pragma: no cover - provided by Node
+        """A command of the sandbox finished."""
+
     def record(self, sandbox_id: str) -> SandboxRecord:  # pragma: no cover - provided by Node
         """The sandbox's record."""
         raise NotImplementedError
@@ -119,6 +122,7 @@ class DataPlane:
         r: ExecResult = await self.call(rec, lambda c: c.exec(
             argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap, stdin=stdin))
         self._log_command(rec, cmd, r, t0, "exec")
+        await self.after_command(rec)
         return r
 
     async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,

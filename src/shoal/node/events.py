@@ -4,7 +4,8 @@ Two append-only JSON-lines files under `$SHOAL_HOME/events/`:
 
 * `events.jsonl` — lifecycle: `created`, `paused`, `resumed`, `oom`, `timeout`, `lost`, `closed`
   (one line each; `paused` says `by` whom when it was not the user, `closed` gives the `reason`:
-  user, timeout, lost);
+  user, timeout, lost), and node events: `image_corrupt` (id "", with `layer`, `chunk`, `reason`,
+  `sandboxes`);
 * `commands.jsonl` — one `exec` line per finished command (exec, stream, shell): the command (cut to
   `MAX_CMD_CHARS`), exit code, duration, whether it timed out. Kept apart because commands are many
   and would push lifecycle events out of a size-bounded file.
@@ -39,7 +40,10 @@ log = logging.getLogger(__name__)
 LIFECYCLE = ("created", "paused", "resumed", "oom", "timeout", "lost", "closed")
 #: the kind of a command line
 EXEC = "exec"
-KINDS = (*LIFECYCLE, EXEC)
+#: node events (no sandbox of their own: `id` is ""): a chunk of a layer failed its check when the node's
+#: layer reader read it (`layer`, `chunk`, `reason`, `sandboxes` using the layer; shoal.images.corruption)
+NODE_KINDS = ("image_corrupt",)
+KINDS = (*LIFECYCLE, EXEC, *NODE_KINDS)
 #: commands are cut to this many characters in the log
 MAX_CMD_CHARS = 300
 EVENTS_FILE = "events.jsonl"

@@ -85,8 +85,9 @@ def find_leaks(paths: Paths, node_id: str, leases: Path | None = None) -> dict[s
     with open("/proc/self/mountinfo") as f:
         mounts = [ln.split()[4] for ln in f]
     shared = {str(paths.home / x) for x in ("uppers", "volatile", "guestfs")}
+    # the node's layer reader (shoal-chunkd's FUSE mount) is node state like the upper pool, not a sandbox's
     sandbox_mounts = [m for m in mounts if m.startswith(f"{paths.home}/") and m not in shared
-                      and not m.startswith(f"{paths.home}/layers/")]
+                      and not m.startswith((f"{paths.home}/layers/", f"{paths.home}/chunkfs/"))]
     out = {
         "records": [r.id for r in list_records(paths.sandboxes) if r.id not in live],
         "sandbox_dirs": [n for n in _ls(paths.sandboxes) if mine(n)]

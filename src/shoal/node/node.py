@@ -29,6 +29,7 @@ from shoal.backends.registry import create_backend
 from shoal.config import NodeConfig, settings
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.fsutil import sha256_file
+from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
 from shoal.models import SandboxInfo, StreamEvent
@@ -108,6 +109,8 @@ class Node(DataPlane):
         self.store_health = StoreHealth(self.paths.store)
         # after an outage, loop-mounted layers get a fresh handle on their store file (see reopen_loops)
         self.store_health.on_recover.append(self.layer_mounts.reopen_loops)
+        # a chunk that failed its check when the node's layer reader read it: an image_corrupt event
+        self.layer_mounts.on_corrupt.append(self._image_corrupt)
         self._leases_renewed = 0.0
         self._backends: dict[str, Backend] = {}
         self._statuses: dict[str, RuntimeStatus] | None = None
@@ -131,6 +134,7 @@ class Node(DataPlane):
         self.nofile = raise_nofile()
         self.capacity.refresh()
         self._install_guest_agent()
+        self.layer_mounts.keep_reader = True
         if self.config.protect_host and not self.protection:
             from shoal.node.protect import protect_host
 
@@ -172,6 +176,13 @@ class Node(DataPlane):
         await self.recovery.stop_reaper()
         await self.scheduling.stop()
         await self.connections.close_all()
+        # the layer reader outlives the node agent while layers are in use (their sandboxes keep running)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.layer_mounts.finish_records)
+        self.layer_mounts.keep_reader = False
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.layer_mounts.stop_reader_if_unused)
+        self.layer_mounts.daemon.close_subscription()
         # no handle of a stopped node may stay open in SHOAL_HOME: it would keep the filesystem holding the
         # home busy (a bench's private disk stayed attached to its loop device until the process exited)
         self.events.close()
@@ -300,7 +311,11 @@ class Node(DataPlane):
         from shoal.images.pull import ensure_image
 
         await asyncio.to_thread(self.store_health.check)
-        return await ensure_image(self.store, ref, policy=pull_policy, work_dir=self.paths.home / "tmp")
+        img = await ensure_image(self.store, ref, policy=pull_policy, work_dir=self.paths.home / "tmp")
+        # a layer a node found a bad chunk in: refused until repaired (shoal.images.corruption)
+        await asyncio.to_thread(corruption.check_layers, self.store.root, [lay.digest for lay in img.layers],
+                                f"image {img.ref}")
+        return img
 
     async def pull(self, ref: str, *, progress: Any = None) -> dict[str, Any]:
         """`shoal image pull`: ask the registry for `ref` now (as `docker pull` does: an image of that name
@@ -314,6 +329,19 @@ class Node(DataPlane):
             return pull_image(self.store, ref, progress=progress, work_dir=self.paths.home / "tmp").to_dict()
 
         return await asyncio.to_thread(go)
+
+    def _image_corrupt(self, ev: dict[str, Any]) -> None:
+        """The layer reader found a bad (or missing) chunk: a node event (no sandbox of its own; `users` are
+        the sandboxes of this node using the layer). Called from the reader's event thread."""
+        self.events.emit("image_corrupt", "", layer=ev.get("layer"), chunk=ev.get("chunk"),
+                         reason=ev.get("reason"), sandboxes=ev.get("users") or [], read_at=ev.get("t"))
+
+    async def after_command(self, rec: SandboxRecord) -> None:
+        """A command of a sandbox finished: when its layers' first start on this node is being recorded, the
+        record is complete (shoal.images.prefetch)."""
+        if rec.layers and self.layer_mounts.recording(rec.layers):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.layer_mounts.finish_records, rec.layers)
 
     def set_warm_pool(self, spec: SandboxSpec, size: int) -> str:
         """Keep `size` sandboxes of `spec` ready for create() (0 removes the pool). See shoal.node.pool."""
@@ -759,6 +787,13 @@ class Node(DataPlane):
             return
         self._leases_renewed = now
         await asyncio.to_thread(self.layer_mounts.renew_leases)
+
+    async def finish_start_records(self) -> None:
+        """Write the start records of layers recorded for longer than prefetch.RECORD_S (the reaper's round)."""
+        from shoal.images.prefetch import RECORD_S
+
+        if self.layer_mounts.recording():
+            await asyncio.to_thread(self.layer_mounts.finish_records, only_older_than=RECORD_S)
 
     async def watch_store(self) -> None:
         """While sandboxes run, probe the store (the reaper calls this every round): an outage and its end

@@ -192,6 +192,8 @@ class Recovery:
                 await self.reap_once()
             with contextlib.suppress(Exception):
                 await self.node.heartbeat_leases()
+            with contextlib.suppress(Exception):
+                await self.node.finish_start_records()
             # a scan reads every record: with thousands of sandboxes, keep it under ~5% of one core
             pause = max(interval, 20 * (time.monotonic() - t0))
             with contextlib.suppress(Exception):

@@ -38,7 +38,19 @@ async def teardown_home(paths: Paths, *, close_sandboxes: bool = False) -> Teard
         node.layer_mounts.reconcile(set())  # no user left: every layer mount goes
     finally:
         await node.stop()
+    stop_readers(paths)
     return TeardownReport(closed=closed, pool_unmounted=UpperPool(paths).teardown())
+
+
+def stop_readers(paths: Paths) -> int:
+    """Stop the home's layer readers (shoal-chunkd, one per store it used) that serve no mounted layer."""
+    from shoal.images.chunkd import readers_of
+
+    n = 0
+    for r in readers_of(paths.home):
+        if r.pid() is not None and not r.mounted_files():
+            n += r.stop()
+    return n
 
 
 def mounts_under(paths: Paths) -> list[str]:

@@ -179,6 +179,18 @@ class Client:
         t = await self._ensure()
         return await t.pull(reference)
 
+    async def export_image(self, image: str, path: str, *, tags: builtins.list[str] | None = None) -> None:
+        """Write an image as a docker-archive to the local file `path` (`docker load -i path` reads it); over
+        HTTP the server makes the archive and this client downloads it."""
+        t = await self._ensure()
+        await t.export_image(image, path, tags)
+
+    async def push(self, image: str, target: str) -> dict[str, Any]:
+        """Push an image of the store to a registry (`target`: registry/repository:tag); blobs the registry has
+        are not uploaded. Over HTTP it needs an admin token (the server pushes with its credentials)."""
+        t = await self._ensure()
+        return await t.push(image, target)
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import json
 import random
 import time
@@ -518,7 +519,35 @@ class HttpTransport(Transport):
         return out
 
     async def pull(self, reference: str) -> dict[str, Any]:
-        r = await self._request("POST", "/v1/images/pull", json_body={"reference": reference})
+        r = await self._request("POST", "/v1/images/pull", json_body={"reference": reference}, read_timeout=None)
+        return dict(r.json())
+
+    async def export_image(self, image: str, path: str, tags: builtins.list[str] | None = None) -> None:
+        """Streamed to `path` (through a temp file beside it: an interrupted download leaves nothing)."""
+        import os
+
+        http = await self._client("/v1/images/export")
+        body: dict[str, Any] = {"image": image, **({"tags": tags} if tags else {})}
+        part = f"{path}.part-{os.getpid()}"
+        try:
+            async with http.stream("POST", "/v1/images/export", json=body,
+                                   timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise _error_from_response(r)
+                with open(part, "wb") as f:
+                    async for chunk in r.aiter_raw():
+                        f.write(chunk)
+            os.replace(part, path)
+        except httpx.HTTPError as e:
+            raise TransportError(f"exporting {image} from {self.url} failed: {type(e).__name__}: {e}") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+
+    async def push(self, image: str, target: str) -> dict[str, Any]:
+        r = await self._request("POST", "/v1/images/push", json_body={"image": image, "target": target},
+                                read_timeout=None)
         return dict(r.json())
 
     async def run_code(self, code: str, **kw: Any) -> Any:

@@ -107,6 +107,23 @@ class LocalTransport(Transport):
     async def pull(self, reference: str) -> dict[str, Any]:
         return await self.node.pull(reference)
 
+    async def export_image(self, image: str, path: str, tags: builtins.list[str] | None = None) -> None:
+        import asyncio
+
+        from shoal.images.export import export_image
+
+        await asyncio.to_thread(export_image, self.node.store, image, path, repo_tags=tags,
+                                work_dir=self.node.paths.home / "tmp")
+
+    async def push(self, image: str, target: str) -> dict[str, Any]:
+        import asyncio
+
+        from shoal.images.export import push_image
+
+        rep = await asyncio.to_thread(push_image, self.node.store, image, target,
+                                      work_dir=self.node.paths.home / "tmp")
+        return rep.to_dict()
+
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,
                      kinds: builtins.list[str] | None = None, since: float | None = None,
                      limit: int = 200) -> builtins.list[SandboxEvent]:

@@ -242,6 +242,14 @@ class SyncClient:
         """Pull an image from its registry (see Client.pull)."""
         return self._loop.run(self._client.pull(reference))
 
+    def export_image(self, image: str, path: str, *, tags: builtins.list[str] | None = None) -> None:
+        """Write an image as a docker-archive (see Client.export_image)."""
+        self._loop.run(self._client.export_image(image, path, tags=tags))
+
+    def push(self, image: str, target: str) -> dict[str, Any]:
+        """Push an image to a registry (see Client.push)."""
+        return self._loop.run(self._client.push(image, target))
+
     def events(self, sandbox_id: str | None = None, **kw: Any) -> builtins.list[Any]:
         """The event log (see Client.events)."""
         return self._loop.run(self._client.events(sandbox_id, **kw))

@@ -118,6 +118,18 @@ class Transport(ABC):
 
         raise NotImplementedYet("pulling images is not available on this transport")
 
+    async def export_image(self, image: str, path: str, tags: builtins.list[str] | None = None) -> None:
+        """Write an image as a docker-archive to the local file `path`."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("exporting images is not available on this transport")
+
+    async def push(self, image: str, target: str) -> dict[str, Any]:
+        """Push an image of the store to a registry."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("pushing images is not available on this transport")
+
     async def images(self) -> builtins.list[dict[str, Any]]:
         """Images in the store."""
         from shoal.errors import NotImplementedYet

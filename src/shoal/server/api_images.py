@@ -239,6 +239,66 @@ async def import_image(request: Request, who: Who,
     return _report(ns, rep)
 
 
+class ExportIn(BaseModel):
+    """An image to write out as a docker-archive."""
+
+    model_config = ConfigDict(extra="forbid")
+    image: ImageRef = Field(..., description="the image: name[:tag] or name@sha256:…")
+    tags: list[NewImageName] | None = Field(None, max_length=64, description="RepoTags in the archive "
+                                                                              "(default: the image's name:tag)")
+
+
+class PushIn(BaseModel):
+    """An image of the store to push to a registry."""
+
+    model_config = ConfigDict(extra="forbid")
+    image: ImageRef = Field(..., description="the image in the store")
+    target: ImageRef = Field(..., description="registry/repository:tag to push to")
+
+
+@router.post("/images/export", responses={**errors(404, 503), 200: {"content": {"application/x-tar": {}},
+                                                                     "description": "a docker-archive"}},
+             summary="Export an image as a docker-archive (docker load reads it)", response_class=Response)
+async def export_image(body: ExportIn, request: Request, who: Who) -> Response:
+    """The image as `docker save` writes it (`docker load -i` reads it); the caller's project's images and
+    shared ones. The archive is made in a temp file on the server first (its size is the image's)."""
+    from starlette.background import BackgroundTask
+    from starlette.responses import FileResponse
+
+    from shoal.images.export import export_image as _export
+
+    st = state_of(request)
+    ns = Namespace(who)
+    name = _lookup(st, ns, body.image)
+    tmpd = Path(st.node.paths.home) / "tmp"
+    tmpd.mkdir(parents=True, exist_ok=True)
+    out = tmpd / (tmp_name("export-") + ".tar")
+    tags = list(body.tags) if body.tags else [ns.show(name) if "@" not in name else body.image]
+    try:
+        await asyncio.to_thread(_export, st.node.store, name, out, repo_tags=tags, work_dir=tmpd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
+        raise
+    return FileResponse(out, media_type="application/x-tar", background=BackgroundTask(out.unlink, missing_ok=True))
+
+
+@router.post("/images/push", response_model=dict[str, Any], responses=errors(403, 404, 502, 503),
+             summary="Push an image to a registry")
+async def push_image(body: PushIn, request: Request, who: Who) -> dict[str, Any]:
+    """Push an image to a registry with the server's credentials (admin tokens: the server writes where it is
+    told, as itself). Blobs the registry has are not uploaded."""
+    from shoal.images.export import push_image as _push
+
+    st = state_of(request)
+    require_admin(who, "pushing to a registry with the server's credentials")
+    ns = Namespace(who)
+    name = _lookup(st, ns, body.image)
+    rep = await asyncio.to_thread(_push, st.node.store, name, body.target,
+                                  work_dir=Path(st.node.paths.home) / "tmp")
+    return rep.to_dict()
+
+
 @router.post("/images/pull", response_model=dict[str, Any], responses=errors(403, 404, 501, 502, 503),
              summary="Pull an image from a registry")
 async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]:

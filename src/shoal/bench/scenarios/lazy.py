@@ -1,10 +1,10 @@
 """`lazy` (alias `image`): how little of an image a sandbox reads, layer mount times, disk writes per
 sandbox (vs Docker).
 
-- read fraction: with a cold page cache, how much of an image's EROFS file the kernel reads to start a
-  sandbox and run `python3 -c 'import json'`. File-backed EROFS reads go through the layer file's page
-  cache, so mincore(2) over the file after the run counts exactly the bytes read (readahead included).
-  The layer is a private *copy* (its own inode, its own page cache) so nobody else's reads count.
+- read fraction: with a cold page cache and an empty chunk cache, how much of an image's EROFS bytes the
+  node's reader fetches (every chunk checked) to start a sandbox and run `python3 -c 'import json'`:
+  every byte EROFS reads comes through the reader, so its counters are exact (chunks whole, read-ahead
+  included). The layer is in a private store, so nobody else's reads count.
 - mount time: mounting a layer (LayerMounts.acquire) with a cold and a warm page cache, file-backed and
   through a loop device.
 - disk writes: bytes written per new sandbox, from the block-device counters of a private ext4
@@ -37,9 +37,7 @@ from shoal.bench.diskstats import (
     block_stat_path,
     disk_read_bytes,
     drop_caches,
-    erofs_cached_bytes,
     median,
-    resident_bytes,
 )
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
@@ -176,11 +174,10 @@ def _cleanup_home(paths: Paths) -> None:
             syscalls.umount(mp, detach=True)
 
 
-def _read_now(img: Any, mps: list[Path], before: int, mode: str) -> int:
-    # the layer files' page cache holds metadata (and, without directio, all data read); with
-    # directio the data read sits only in the EROFS files' own page cache
-    meta = sum(resident_bytes(lay.path) for lay in img.layers) - before
-    return meta + (sum(erofs_cached_bytes(mp) for mp in mps) if mode.endswith("directio") else 0)
+def _fresh_reader(node: Any) -> None:
+    """No layer in use: stop the node's reader and empty its chunk cache (the next use fetches everything)."""
+    node.layer_mounts.stop_reader_if_unused()
+    shutil.rmtree(node.layer_mounts.daemon.cache, ignore_errors=True)
 
 
 async def _read_fraction(node: Any, spec: Any, img: Any, trials: int, log: Callable[[str], None],
@@ -188,15 +185,15 @@ async def _read_fraction(node: Any, spec: Any, img: Any, trials: int, log: Calla
     """Cold-cache bytes read from the image to start a sandbox and to run JSON_CMD in it."""
     total = img.size
     node.layer_mounts.directio = directio
-    disk = block_stat_path(img.layers[0].path)
+    disk = block_stat_path(node.paths.store)
     start, after, create_s, disk_reads = [], [], [], []
     mode = "?"
     for t in range(trials):
         # two cold runs per trial: measuring walks every file of the layer (reading all its metadata),
         # so the start and the command are measured from separate cold starts
         for phase in ("start", "json"):
+            await asyncio.to_thread(_fresh_reader, node)
             drop_caches()
-            before = sum(resident_bytes(lay.path) for lay in img.layers)
             d0 = disk_read_bytes(disk)
             t0 = time.perf_counter()
             info = await node.create(spec)
@@ -209,8 +206,7 @@ async def _read_fraction(node: Any, spec: Any, img: Any, trials: int, log: Calla
                     if r.exit_code != 0:
                         raise RuntimeError(f"{JSON_CMD} failed in the sandbox: {r.stderr[-500:]!r}")
                     disk_reads.append(disk_read_bytes(disk) - d0)
-                mps = [node.layer_mounts.mountpoint(lay.hex) for lay in img.layers]
-                got = await asyncio.to_thread(_read_now, img, mps, before, mode)
+                got = int(node.layer_mounts.daemon.stats()["fetched_bytes"])
             finally:
                 await node.close(info.id)
             (start if phase == "start" else after).append(got)
@@ -229,6 +225,7 @@ def _mount_times(paths: Paths, img: Any, trials: int, log: Callable[[str], None]
     layer = max(img.layers, key=lambda x: x.size)
     for mode in ("file", "loop"):
         lm = LayerMounts(paths, mode=mode)
+        lm.keep_reader = True  # the node's reader runs on (started once): what is timed is the mount
         cold, warm = [], []
         try:
             for _ in range(trials):
@@ -245,6 +242,9 @@ def _mount_times(paths: Paths, img: Any, trials: int, log: Callable[[str], None]
         except Exception as e:  # e.g. no loop devices in this container
             out[mode] = {"error": str(e)[:300]}
             continue
+        finally:
+            lm.keep_reader = False
+            lm.stop_reader_if_unused()
         out[mode] = {"cold_ms": median(cold) * 1000, "warm_ms": median(warm) * 1000,
                      "cold_samples_ms": [x * 1000 for x in cold]}
         log(f"mount ({mode}): cold {out[mode]['cold_ms']:.2f} ms, warm {out[mode]['warm_ms']:.2f} ms")

@@ -1,25 +1,30 @@
-"""`store`: the layer store on a real distributed filesystem (MooseFS, master + 2 chunkservers in network
-namespaces, FUSE-mounted; `shoal store dev-moosefs`), measured in one run:
+"""`store`: the chunked, verified layer store on a real distributed filesystem (MooseFS, master + 2
+chunkservers in network namespaces, FUSE-mounted; `shoal store dev-moosefs`), beside Docker, in one run:
 
-- bytes fetched from the chunkservers (their veths' transmit counters) to start a sandbox and run
-  `python3 -c 'import json'`, as a fraction of the image: file-backed EROFS (directio) and loop mounts,
-  with and without the first-mount integrity check (which reads the whole layer once per node);
-- cold start (create + that command, fresh node home, layer page caches dropped) from the MooseFS store,
-  from a local store, and Docker pulling the same image from Debian's `docker-registry` on loopback and
-  starting it (`docker pull` + `run` + `exec`);
-- N node agents (own SHOAL_HOMEs, one MooseFS store) starting `per_node` sandboxes each from `images`
-  different images (base + one small layer each) at once;
-- the optional node-local layer cache: rounds of create / exec / close (the last close unmounts the
-  layer) with the cache off and on — when it pays.
+- cold start (a node that never saw the image; every chunk checked as read — the default): bytes fetched
+  from the chunkservers (their veths' transmit counters) to start a sandbox and run
+  `python3 -c 'import json'`, as a fraction of the image; without and with the image's start record
+  (prefetch); next to the earlier whole-file mount (unchecked, and with its whole-layer check) and Docker
+  pulling the same image from a loopback registry;
+- warm start (the node's chunk cache has the chunks, the layer is mounted afresh): the reader against the
+  earlier direct whole-file mount, in ABBA rounds;
+- a family of images built FROM the base, each adding its own ~50 MiB: bytes stored and fetched (one
+  sandbox each) against the sum of their layers, and against Docker pushing/pulling the same images;
+- a DSec-shaped burst: many distinct images × a few sandboxes each over N node agents sharing the store:
+  time until all are ready and bytes fetched, against Docker pulling and running the same;
+- a corrupt chunk: time from the read to the node's image_corrupt event, and what was served of it (nothing).
 
-`shoal bench store [-p trials=3 -p per_node=100 …]`. Root; needs moosefs-master/-chunkserver/-client.
+`shoal bench store [-p images=200 -p family=20 …]`. Root; needs moosefs-master/-chunkserver/-client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -35,7 +40,7 @@ from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult, at_most
 from shoal.bench.scenario import Scenario, param
 from shoal.config import NodeConfig, Paths
-from shoal.errors import ShoalError
+from shoal.errors import ImageCorrupt, ShoalError
 from shoal.images import moosefs
 from shoal.images.store import ImageConfig, ImageStore
 from shoal.models import SandboxSpec
@@ -48,13 +53,17 @@ MIB = 1 << 20
 class StoreParams:
     """How much work the store scenario does."""
 
-    image: str = param("base:latest", help="the image measured (copied into the MooseFS and a local store)")
+    image: str = param("base:latest", help="the base image (copied into the MooseFS store)")
     trials: int = param(3, quick=1, help="cold starts per configuration (the median is reported)")
+    warm_rounds: int = param(8, quick=4, help="warm starts, alternating reader / direct mount (ABBA)")
+    family: int = param(20, quick=3, help="images built FROM the base, each adding its own layer")
+    family_mib: int = param(50, quick=8, help="MiB each family image adds")
     nodes: int = param(3, help="node agents sharing the MooseFS store in the burst")
-    per_node: int = param(100, quick=10, help="sandboxes each node agent starts in the burst")
-    images: int = param(10, quick=5, help="different images the burst's sandboxes come from")
-    cache_rounds: int = param(3, quick=2, help="create/exec/close rounds with the layer cache off and on")
-    docker: bool = param(True, help="Docker pulling the image from a loopback registry (when the run has Docker)")
+    images: int = param(200, quick=12, help="distinct images in the DSec-shaped burst")
+    per_image: int = param(3, help="sandboxes per image in the burst (spread over the nodes)")
+    docker: bool = param(True, help="Docker pulling the same images from a loopback registry")
+    docker_images: int = param(200, quick=12, help="burst images Docker pulls and runs (fewer if it cannot)")
+    docker_budget_s: float = param(1800.0, quick=600.0, help="seconds Docker gets for the burst")
 
 
 WARMUP = "bench-store-warmup:latest"
@@ -78,37 +87,25 @@ def _warmup_image(store: ImageStore) -> None:
 
 
 def _drop_caches() -> None:
-    """Cold everywhere: this host's page cache (the local store, the chunkservers' chunk files) and the
-    layer files' pages on the FUSE mount."""
+    """Cold everywhere on this host: page cache (chunk objects, the chunk cache's files, layer files)."""
     from shoal.bench.diskstats import drop_caches
 
     drop_caches()
 
 
-def _drop_file_cache(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 @contextlib.asynccontextmanager
-async def _node(store_root: Path, *, mode: str = "auto", verify: bool = True, cache_mb: int = 0,
-                home: Path | None = None) -> Any:
+async def _node(store_root: Path, *, source: str = "chunks", home: Path | None = None,
+                prefetch: bool = True) -> Any:
     """A node agent on a private SHOAL_HOME (kept when `home` is given) over `store_root`."""
-    from shoal.images.cache import LayerCache
     from shoal.node.node import Node
-    from shoal.node.teardown import purge_home, teardown_home
+    from shoal.node.teardown import purge_home, stop_readers, teardown_home
 
     own = home is None
     home = home or Path(tempfile.mkdtemp(prefix="sbs-", dir="/tmp"))
     paths = Paths(home=home, store=store_root)
-    node = Node(NodeConfig(paths=paths, memory_overcommit=1000.0))
-    node.layer_mounts.mode = mode
-    node.layer_mounts.verifier.enabled = verify
-    node.layer_mounts.cache = LayerCache(home / "layer-cache", limit_bytes=cache_mb * MIB)
+    node = Node(NodeConfig(paths=paths, memory_overcommit=1000.0, min_free_memory_mb=0))
+    node.layer_mounts.source = source
+    node.layer_mounts.prefetch_enabled = prefetch
     try:
         await node.start()
         _warmup_image(node.store)
@@ -124,6 +121,8 @@ async def _node(store_root: Path, *, mode: str = "auto", verify: bool = True, ca
             with contextlib.suppress(Exception):
                 await teardown_home(paths, close_sandboxes=True)
             with contextlib.suppress(Exception):
+                stop_readers(paths)
+            with contextlib.suppress(Exception):
                 purge_home(paths)
 
 
@@ -131,26 +130,48 @@ def _spec(image: str) -> SandboxSpec:
     return SandboxSpec(image=image, memory_mb=256, cpus=1.0)
 
 
+def _reader_stats(node: Any) -> dict[str, Any]:
+    with contextlib.suppress(Exception):
+        return dict(node.layer_mounts.daemon.stats())
+    return {}
+
+
+def _hash_whole(store: ImageStore, digest: str) -> None:
+    """The earlier default's check: the whole layer file hashed before its first mount on a node."""
+    from shoal.fsutil import sha256_file
+
+    sha256_file(store.layer_path(digest))
+
+
 async def cold_start(store: ImageStore, image: str, cluster: moosefs.MooseFsCluster | None, *,
-                     mode: str = "auto", verify: bool = True) -> dict[str, Any]:
-    """One cold start: a fresh node home, the layers' page cache dropped; create + JSON_CMD."""
+                     source: str = "chunks", whole_check: bool = False, record: bool = False) -> dict[str, Any]:
+    """One cold start: a fresh node home, page caches dropped; create + JSON_CMD. `record`: keep the image's
+    start records (a later create prefetches them); else they are removed first (the image's first start)."""
+    from shoal.images import prefetch
+
     img = store.resolve(image)
-    async with _node(store.root, mode=mode, verify=verify) as node:
+    if not record:
         for lay in img.layers:
-            _drop_file_cache(lay.path)
+            prefetch.remove(store.root, lay.hex)
+    async with _node(store.root, source=source) as node:
         await asyncio.to_thread(_drop_caches)
         tx0 = moosefs.chunkserver_tx_bytes(cluster) if cluster else 0
         t0 = time.perf_counter()
+        if whole_check:
+            for lay in img.layers:
+                await asyncio.to_thread(_hash_whole, store, lay.digest)
         info = await node.create(_spec(image))
         t1 = time.perf_counter()
         r = await node.exec(info.id, JSON_CMD)
         t2 = time.perf_counter()
         tx1 = moosefs.chunkserver_tx_bytes(cluster) if cluster else 0
+        st = _reader_stats(node)
         from shoal.images.mounts import erofs_mode
 
         out = {"create_ms": (t1 - t0) * 1000, "total_ms": (t2 - t0) * 1000, "exit_code": r.exit_code,
                "fetched_bytes": tx1 - tx0, "image_bytes": img.size, "mounted": erofs_mode(),
-               "hashed_bytes": node.layer_mounts.verifier.hashed_bytes}
+               "reader_fetched_bytes": st.get("fetched_bytes", 0), "reader_wire_bytes": st.get("fetched_wire_bytes", 0),
+               "reader_chunks": st.get("fetched_chunks", 0), "prefetched_chunks": st.get("prefetched_chunks", 0)}
         await node.close(info.id)
     out["fetched_fraction"] = out["fetched_bytes"] / max(1, img.size)
     return out
@@ -160,7 +181,32 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
     return float(statistics.median(r[key] for r in rows))
 
 
-# ---- Docker: the same image pulled from a registry on loopback ---------------------------------------
+# ---- warm starts: the reader against the earlier direct mount, ABBA -------------------------------------
+async def warm_rounds(chunked: ImageStore, whole: ImageStore, image: str, rounds: int) -> dict[str, Any]:
+    """`rounds` create + JSON_CMD + close on one node per source, alternating A B B A …: A = the node's reader
+    (its chunk cache warm), B = the layer's whole file mounted straight from the store (as before). The
+    close unmounts the layer (its only user), so each round mounts afresh; page caches are dropped."""
+    out: dict[str, list[float]] = {"reader": [], "direct": []}
+    async with _node(chunked.root) as a, _node(whole.root, source="whole-file") as b:
+        for node in (a, b):  # the first round of each fills caches: not counted
+            info = await node.create(_spec(image))
+            await node.exec(info.id, JSON_CMD)
+            await node.close(info.id)
+        order = ["reader", "direct", "direct", "reader"]
+        for i in range(rounds):
+            which = order[i % 4]
+            node = a if which == "reader" else b
+            await asyncio.to_thread(_drop_caches)
+            t0 = time.perf_counter()
+            info = await node.create(_spec(image))
+            await node.exec(info.id, JSON_CMD)
+            out[which].append((time.perf_counter() - t0) * 1000)
+            await node.close(info.id)
+        fetched = _reader_stats(a).get("fetched_bytes", 0)
+    return {"reader_ms": out["reader"], "direct_ms": out["direct"], "reader_fetched_after_first": fetched}
+
+
+# ---- Docker: a loopback registry ---------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -199,271 +245,485 @@ def _registry(workdir: Path) -> Any:
             proc.wait()
 
 
-def _docker(ctx: BenchContext, *args: str, timeout: float = 900) -> str:
+def _docker(ctx: BenchContext, *args: str, timeout: float = 900, cwd: Path | None = None) -> str:
     assert ctx.docker is not None
     exe = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else "docker"
+    env = dict(os.environ, DOCKER_BUILDKIT="0")
     r = subprocess.run([exe, "-H", f"unix://{ctx.docker.sock}", *args], capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, cwd=cwd, env=env)
     if r.returncode != 0:
-        raise RuntimeError(f"docker {' '.join(args)}: {r.stderr.strip()[-400:]}")
+        raise RuntimeError(f"docker {' '.join(args[:3])}: {r.stderr.strip()[-400:]}")
     return r.stdout
 
 
-async def docker_cold_starts(ctx: BenchContext, trials: int) -> dict[str, Any]:
+def _registry_blob_bytes(workdir: Path) -> int:
+    """Bytes of every blob the registry stores (compressed layers and configs)."""
+    total = 0
+    for p in (workdir / "data").rglob("data"):
+        if p.is_file() and "blobs" in p.parts:
+            total += p.stat().st_size
+    return total
+
+
+def _pulled_bytes(reg: str, refs: list[str]) -> int:
+    """Bytes `docker pull` of `refs` downloads into an engine that has none of their layers: each distinct
+    layer blob once (sizes from the registry's manifests)."""
+    seen: dict[str, int] = {}
+    for ref in refs:
+        repo, tag = ref.split("/", 1)[1].rsplit(":", 1)
+        req = urllib.request.Request(f"http://{reg}/v2/{repo}/manifests/{tag}", headers={
+            "Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            m = json.loads(r.read())
+        for lay in [*m.get("layers", []), m.get("config", {})]:
+            if lay:
+                seen[lay["digest"]] = int(lay["size"])
+    return sum(seen.values())
+
+
+async def docker_cold_starts(ctx: BenchContext, reg: str, trials: int) -> dict[str, Any]:
     """`docker pull` from the loopback registry + `docker run -d` + `docker exec python3 …`, from an engine
-    that does not have the image; the engine's own image tag is restored afterwards."""
+    that does not have the image."""
     assert ctx.docker is not None
     src = ctx.docker.image
-    work = Path(tempfile.mkdtemp(prefix="sbreg-", dir="/var/tmp"))
+    ref = f"{reg}/shoal-bench/base:1"
+    await asyncio.to_thread(_docker, ctx, "tag", src, ref)
+    await asyncio.to_thread(_docker, ctx, "push", ref)
     rows = []
     try:
-        with _registry(work) as reg:
-            ref = f"{reg}/shoal-bench/base:1"
-            await asyncio.to_thread(_docker, ctx, "tag", src, ref)
+        for _ in range(trials):
+            await asyncio.to_thread(_docker, ctx, "rmi", "-f", ref, src)
+            await asyncio.to_thread(_drop_caches)
             t0 = time.perf_counter()
-            await asyncio.to_thread(_docker, ctx, "push", ref)
-            push_s = time.perf_counter() - t0
-            await asyncio.to_thread(_docker, ctx, "rmi", src, ref)
-            for i in range(trials):
-                t0 = time.perf_counter()
-                await asyncio.to_thread(_docker, ctx, "pull", ref)
-                t1 = time.perf_counter()
-                ctx.docker.image = ref
-                cid = await ctx.docker.create_start(["sleep", "infinity"], memory_mb=256)
-                code, _ = await ctx.docker.exec(cid, ["python3", "-c", "import json"])
-                t2 = time.perf_counter()
-                await ctx.docker.remove(cid)
-                rows.append({"pull_ms": (t1 - t0) * 1000, "total_ms": (t2 - t0) * 1000, "exit_code": code})
-                if i < trials - 1:
-                    await asyncio.to_thread(_docker, ctx, "rmi", ref)
-            await asyncio.to_thread(_docker, ctx, "tag", ref, src)
-            ctx.docker.image = src
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(_docker, ctx, "rmi", ref)
-        return {"push_s": push_s, "trials": rows, "total_ms": _median(rows, "total_ms"),
-                "pull_ms": _median(rows, "pull_ms")}
+            await asyncio.to_thread(_docker, ctx, "pull", ref)
+            t1 = time.perf_counter()
+            cid = await ctx.docker.create_start(["sleep", "infinity"], memory_mb=256, image=ref)
+            code, _ = await ctx.docker.exec(cid, ["python3", "-c", "import json"])
+            t2 = time.perf_counter()
+            await ctx.docker.remove(cid)
+            rows.append({"pull_ms": (t1 - t0) * 1000, "total_ms": (t2 - t0) * 1000, "exit_code": code})
     finally:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(_docker, ctx, "tag", ref, src)
         ctx.docker.image = src
-        shutil.rmtree(work, ignore_errors=True)
+    return {"trials": rows, "total_ms": _median(rows, "total_ms"), "pull_ms": _median(rows, "pull_ms"),
+            "pulled_bytes": _pulled_bytes(reg, [ref])}
 
 
-# ---- N node agents on one shared store ---------------------------------------------------------------
-def _make_images(store: ImageStore, base: str, n: int) -> list[str]:
-    """`n` images: the base's layers + one small layer of their own each (as a workspace would add)."""
+# ---- images built FROM the base ------------------------------------------------------------------------
+def _own_tree(i: int, mib: int, root: Path) -> Path:
+    """An image's own files: `mib` MiB of source-like data (16 letters: compresses about 2x), unique to it."""
+    tree = root / f"img{i}"
+    d = tree / "opt" / f"app{i}"
+    d.mkdir(parents=True)
+    rnd = random.Random(i * 7919 + 17)
+    table = bytes.maketrans(bytes(range(256)), (b"etaoinshrdlu \n.(" * 16))
+    for k in range(max(1, mib * 4)):  # 256 KiB files
+        (d / f"mod{k:04d}.py").write_bytes(rnd.randbytes(256 << 10).translate(table))
+    (d / "main.py").write_text(f"print('image {i}')\n")
+    return tree
+
+
+def make_family(store: ImageStore, base: str, n: int, mib: int, prefix: str,
+                progress: Any = None) -> tuple[list[str], list[Path], dict[str, int]]:
+    """`n` images: the base's layers + one layer of `mib` MiB of their own each. Returns the refs, the trees
+    (kept for Docker, under /var/tmp) and what storing them took."""
     b = store.resolve(base)
-    out = []
+    refs, trees = [], []
+    work = Path(tempfile.mkdtemp(prefix="sbfam-", dir="/var/tmp"))
+    stored = raw = new_chunks = reused = 0
     for i in range(n):
-        tree = Path(tempfile.mkdtemp(prefix="sbimg-", dir="/var/tmp"))
-        try:
-            (tree / "etc").mkdir()
-            (tree / "etc" / "bench-image").write_text(f"image {i}\n" + "x" * 4096)
-            lay = store.add_layer_from_dir(tree, {"type": "bench", "desc": f"store bench image {i}"})
-        finally:
-            shutil.rmtree(tree, ignore_errors=True)
-        ref = f"bench-store-{i}:latest"
+        tree = _own_tree(i, mib, work) if mib else _small_tree(i, work)
+        lay = store.add_layer_from_dir(tree, {"type": "bench", "desc": f"{prefix} {i}"})
+        stored += store.last_write.stored_bytes + len(store.chunks.table_path(lay.hex).read_bytes())
+        new_chunks += store.last_write.new_chunks
+        reused += store.last_write.reused_bytes
+        raw += lay.size
+        ref = f"{prefix}-{i}:latest"
         store.put_image(ref, [x.digest for x in b.layers] + [lay.digest], ImageConfig.from_dict(
             {"env": b.config.env, "workdir": b.config.workdir, "user": b.config.user}))
-        out.append(ref)
-    return out
+        refs.append(ref)
+        trees.append(tree)
+        if progress:
+            progress()
+    return refs, trees, {"stored_bytes": stored, "layer_bytes": raw, "new_chunks": new_chunks,
+                         "reused_bytes": reused, "work": str(work)}  # type: ignore[dict-item]
 
 
-async def burst(store: ImageStore, cluster: moosefs.MooseFsCluster, images: list[str], nodes: int,
-                per_node: int, progress: Any = None) -> dict[str, Any]:
-    """`nodes` node agents start `per_node` sandboxes each, spread over `images`, all at once."""
-    async with contextlib.AsyncExitStack() as stack:
-        ns = [await stack.enter_async_context(_node(store.root)) for _ in range(nodes)]
-        for ref in images:
-            for lay in store.resolve(ref).layers:
-                _drop_file_cache(lay.path)
+def _small_tree(i: int, root: Path) -> Path:
+    tree = root / f"img{i}"
+    d = tree / "opt" / f"task{i}"
+    d.mkdir(parents=True)
+    rnd = random.Random(i)
+    (d / "data.bin").write_bytes(rnd.randbytes(256 << 10))
+    (d / "main.py").write_text(f"print('task {i}')\n")
+    return tree
+
+
+def _docker_build(ctx: BenchContext, base_ref: str, tree: Path, tag: str) -> None:
+    (tree / "Dockerfile").write_text(f"FROM {base_ref}\nCOPY opt /opt\n")
+    try:
+        _docker(ctx, "build", "-q", "-t", tag, str(tree), timeout=1800)
+    finally:
+        (tree / "Dockerfile").unlink(missing_ok=True)
+
+
+async def family_starts(store: ImageStore, cluster: moosefs.MooseFsCluster, refs: list[str]) -> dict[str, Any]:
+    """One sandbox of each family image on one node (fresh home): bytes fetched to start each and read
+    its own entry file."""
+    async with _node(store.root) as node:
         await asyncio.to_thread(_drop_caches)
         tx0 = moosefs.chunkserver_tx_bytes(cluster)
         t0 = time.perf_counter()
-
-        async def one_node(node: Any) -> list[Any]:
-            k = len(images)
-            counts = [per_node // k + (1 if i < per_node % k else 0) for i in range(k)]
-            parts = await asyncio.gather(*(node.create_many(_spec(images[i]), counts[i], on_done=progress)
-                                           for i in range(k) if counts[i]))
-            return [x for p in parts for x in p]
-
-        results = await asyncio.gather(*(one_node(n) for n in ns))
+        for i, ref in enumerate(refs):
+            info = await node.create(_spec(ref))
+            r = await node.exec(info.id, f"python3 /opt/app{i}/main.py")
+            assert r.exit_code == 0, r
+            await node.close(info.id)
         wall = time.perf_counter() - t0
-        tx1 = moosefs.chunkserver_tx_bytes(cluster)
-        ok = sum(1 for r in results for x in r if not isinstance(x, ShoalError))
-        errs = [str(x) for r in results for x in r if isinstance(x, ShoalError)]
-        # every sandbox answers a command
-        probe_ok = 0
-        for node, r in zip(ns, results, strict=True):
-            infos = [x for x in r if not isinstance(x, ShoalError)][:3]
-            for info in infos:
-                if (await node.exec(info.id, "cat /etc/bench-image")).exit_code == 0:
-                    probe_ok += 1
-        hashed = sum(n.layer_mounts.verifier.hashed_bytes for n in ns)
-        return {"nodes": nodes, "per_node": per_node, "images": len(images), "ok": ok, "errors": errs[:3],
-                "n_errors": len(errs), "wall_s": wall, "rate_per_s": ok / wall if wall else 0.0,
-                "fetched_bytes": tx1 - tx0, "verified_bytes": hashed, "spot_checks_ok": probe_ok}
+        fetched = moosefs.chunkserver_tx_bytes(cluster) - tx0
+        st = _reader_stats(node)
+    return {"fetched_bytes": fetched, "wall_s": wall, "reader_wire_bytes": st.get("fetched_wire_bytes", 0)}
 
 
-# ---- the layer cache: when does it pay? ----------------------------------------------------------------
-async def cache_rounds(store: ImageStore, image: str, cluster: moosefs.MooseFsCluster, rounds: int,
-                       cache_mb: int) -> list[dict[str, Any]]:
-    """`rounds` of create + JSON_CMD + close on one node (the close unmounts the layer: its only user)."""
-    home = Path(tempfile.mkdtemp(prefix="sbc-", dir="/tmp"))
-    out = []
+async def docker_family(ctx: BenchContext, reg: str, base_ref: str, trees: list[Path], prefix: str,
+                        run_cmd: list[str] | None = None) -> dict[str, Any]:
+    """Build the same images in Docker (FROM the base), push them, drop them, then pull each and run it."""
+    refs = []
+    for i, tree in enumerate(trees):
+        ref = f"{reg}/shoal-bench/{prefix}{i}:1"
+        await asyncio.to_thread(_docker_build, ctx, base_ref, tree, ref)
+        await asyncio.to_thread(_docker, ctx, "push", ref)
+        refs.append(ref)
+    await asyncio.to_thread(_docker, ctx, "rmi", "-f", *refs)
+    await asyncio.to_thread(_docker, ctx, "rmi", "-f", base_ref)
+    pulled = _pulled_bytes(reg, refs)
+    t0 = time.perf_counter()
+    for i, ref in enumerate(refs):
+        await asyncio.to_thread(_docker, ctx, "pull", ref)
+        cid = await ctx.docker.create_start(["sleep", "infinity"], memory_mb=256, image=ref)  # type: ignore[union-attr]
+        code, _ = await ctx.docker.exec(cid, run_cmd or ["python3", f"/opt/app{i}/main.py"])  # type: ignore[union-attr]
+        await ctx.docker.remove(cid)  # type: ignore[union-attr]
+        if code != 0:
+            raise RuntimeError(f"docker: image {ref} ran with exit code {code}")
+    wall = time.perf_counter() - t0
+    with contextlib.suppress(Exception):
+        await asyncio.to_thread(_docker, ctx, "rmi", "-f", *refs)
+    return {"pulled_bytes": pulled, "wall_s": wall, "images": len(refs)}
+
+
+# ---- the DSec-shaped burst ------------------------------------------------------------------------------
+async def burst(store: ImageStore, cluster: moosefs.MooseFsCluster, refs: list[str], nodes: int, per_image: int,
+                progress: Any = None) -> dict[str, Any]:
+    """`nodes` node agents; each image gets `per_image` sandboxes, sandbox k on node k % nodes; all at once."""
+    async with contextlib.AsyncExitStack() as stack:
+        ns = [await stack.enter_async_context(_node(store.root)) for _ in range(nodes)]
+        await asyncio.to_thread(_drop_caches)
+        tx0 = moosefs.chunkserver_tx_bytes(cluster)
+        t0 = time.perf_counter()
+        sem = asyncio.Semaphore(32 * nodes)
+
+        async def one(node: Any, ref: str) -> Any:
+            async with sem:
+                try:
+                    return await node.create(_spec(ref))
+                except ShoalError as e:
+                    return e
+                finally:
+                    if progress:
+                        progress()
+
+        jobs = [one(ns[k % nodes], ref) for ref in refs for k in range(per_image)]
+        results = await asyncio.gather(*jobs)
+        wall = time.perf_counter() - t0
+        fetched = moosefs.chunkserver_tx_bytes(cluster) - tx0
+        ok = [r for r in results if not isinstance(r, ShoalError)]
+        errs = [str(r) for r in results if isinstance(r, ShoalError)]
+        wire = sum(_reader_stats(n).get("fetched_wire_bytes", 0) for n in ns)
+        prefetched = sum(_reader_stats(n).get("prefetched_chunks", 0) for n in ns)
+    return {"nodes": nodes, "images": len(refs), "per_image": per_image, "ok": len(ok), "n_errors": len(errs),
+            "errors": errs[:3], "wall_s": wall, "fetched_bytes": fetched, "reader_wire_bytes": wire,
+            "prefetched_chunks": prefetched}
+
+
+async def docker_burst(ctx: BenchContext, reg: str, base_ref: str, trees: list[Path], per_image: int,
+                       budget_s: float) -> dict[str, Any]:
+    """Docker pulls each image and runs `per_image` containers of it, all at once (one engine: one node);
+    images are built and pushed first (not timed). Stops starting new pulls when the budget runs out."""
+    assert ctx.docker is not None
+    # the family run dropped the base from the engine (its pulls had to fetch it): bring it back to build on
+    await asyncio.to_thread(_docker, ctx, "pull", f"{reg}/shoal-bench/base:1")
+    await asyncio.to_thread(_docker, ctx, "tag", f"{reg}/shoal-bench/base:1", base_ref)
+    refs = []
+    for i, tree in enumerate(trees):
+        ref = f"{reg}/shoal-bench/burst{i}:1"
+        await asyncio.to_thread(_docker_build, ctx, base_ref, tree, ref)
+        await asyncio.to_thread(_docker, ctx, "push", ref)
+        refs.append(ref)
+    await asyncio.to_thread(_docker, ctx, "rmi", "-f", *refs)
+    await asyncio.to_thread(_docker, ctx, "rmi", "-f", base_ref)
+    await asyncio.to_thread(_drop_caches)
+    sem = asyncio.Semaphore(32)
+    cids: list[str] = []
+    done_images = 0
+    t0 = time.perf_counter()
+
+    async def image(ref: str) -> None:
+        nonlocal done_images
+        if time.perf_counter() - t0 > budget_s:
+            return
+        async with sem:
+            await asyncio.to_thread(_docker, ctx, "pull", ref)
+        cs = await asyncio.gather(*(ctx.docker.create_start(["sleep", "infinity"], memory_mb=256,  # type: ignore[union-attr]
+                                                            image=ref) for _ in range(per_image)))
+        cids.extend(cs)
+        done_images += 1
+
+    results = await asyncio.gather(*(image(r) for r in refs), return_exceptions=True)
+    wall = time.perf_counter() - t0
+    errs = [str(r) for r in results if isinstance(r, BaseException)]
+    pulled = _pulled_bytes(reg, refs[:done_images]) if done_images else 0
+    await ctx.docker.remove_many(cids)
+    with contextlib.suppress(Exception):
+        await asyncio.to_thread(_docker, ctx, "rmi", "-f", *refs)
+    return {"images": done_images, "of": len(refs), "containers": len(cids), "wall_s": wall, "pulled_bytes": pulled,
+            "errors": errs[:3]}
+
+
+# ---- a corrupt chunk -------------------------------------------------------------------------------------
+async def corrupt_chunk_run(store: ImageStore, ref: str, tree: Path, rel: str) -> dict[str, Any]:
+    """Corrupt the chunk holding `rel` (a file of the image's own layer), read it in a sandbox: the time from
+    the read to the node's image_corrupt event, and what was served (nothing of the chunk; the rest intact)."""
+    import zstandard
+
+    img = store.resolve(ref)
+    top = img.layers[-1]
+    data = (tree / rel).read_bytes()
+    whole = Path(tempfile.mkdtemp(prefix="sbcor-", dir="/var/tmp")) / "layer"
     try:
-        img = store.resolve(image)
-        async with _node(store.root, cache_mb=cache_mb, home=home) as node:
-            for _ in range(rounds):
-                for lay in img.layers:
-                    _drop_file_cache(lay.path)
-                await asyncio.to_thread(_drop_caches)
-                tx0 = moosefs.chunkserver_tx_bytes(cluster)
-                t0 = time.perf_counter()
-                info = await node.create(_spec(image))
-                await node.exec(info.id, JSON_CMD)
-                t1 = time.perf_counter()
-                await node.close(info.id)
-                out.append({"total_ms": (t1 - t0) * 1000,
-                            "fetched_bytes": moosefs.chunkserver_tx_bytes(cluster) - tx0})
+        store.export_layer(top.digest, whole)
+        at = whole.read_bytes().find(data[:4096])
     finally:
-        from shoal.node.teardown import purge_home, teardown_home
-
-        paths = Paths(home=home, store=store.root)
-        with contextlib.suppress(Exception):
-            await teardown_home(paths, close_sandboxes=True)
-        with contextlib.suppress(Exception):
-            purge_home(paths)
-    return out
+        shutil.rmtree(whole.parent, ignore_errors=True)
+    t = store.layer_table(top.digest)
+    hexd = next(h for (h, n), off in zip(t.chunks, t.offsets(), strict=True) if off <= at < off + n)
+    p = store.chunks.chunk_path(hexd)
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(p.read_bytes()))
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte, in a well-formed object: only the digest can tell
+    os.chmod(p, 0o644)
+    p.write_bytes(zstandard.ZstdCompressor(level=3).compress(bytes(raw)))
+    os.chmod(p, 0o444)
+    async with _node(store.root) as node:
+        info = await node.create(_spec(ref))
+        t_read = time.time()
+        r = await node.exec(info.id, ["cat", f"/{rel}"])
+        t_done = time.time()
+        ev = None
+        for _ in range(500):
+            evs = [json.loads(x) for x in (node.paths.home / "events" / "events.jsonl").read_text().splitlines()
+                   if '"image_corrupt"' in x]
+            if evs:
+                ev = evs[0]
+                break
+            await asyncio.sleep(0.01)
+        # every other file of the image's own layer: its exact bytes, or EIO when it shares the bad chunk;
+        # never other bytes
+        others = sorted(x for x in (tree / "opt").rglob("*") if x.is_file() and str(x.relative_to(tree)) != rel)
+        intact = eio = wrong = 0
+        for f in others:
+            rr = await node.exec(info.id, ["md5sum", f"/{f.relative_to(tree)}"])
+            if rr.exit_code == 0 and rr.stdout.split()[0].decode() == hashlib.md5(f.read_bytes()).hexdigest():
+                intact += 1
+            elif rr.exit_code != 0 and b"Input/output error" in rr.stderr:
+                eio += 1
+            else:
+                wrong += 1
+        cached = any(x.name == hexd for x in node.layer_mounts.daemon.cache.rglob("*"))
+        st = _reader_stats(node)
+        await node.close(info.id)
+        try:
+            await node.create(_spec(ref))
+            refused = False
+        except ImageCorrupt:
+            refused = True
+    return {"exit_code": r.exit_code, "stdout_bytes": len(r.stdout), "stderr": r.stderr.decode(errors="replace")[:200],
+            "read_to_event_ms": (ev["t"] - t_read) * 1000 if ev else None,
+            "read_to_detect_ms": (ev["read_at"] - t_read) * 1000 if ev and ev.get("read_at") else None,
+            "read_ms": (t_done - t_read) * 1000, "event": ev, "other_files": len(others), "intact": intact,
+            "other_eio": eio, "other_wrong": wrong,
+            "bad_chunk_cached": cached, "eio": st.get("eio"), "new_create_refused": refused, "chunk": hexd}
 
 
 async def run(ctx: BenchContext, p: StoreParams) -> ScenarioResult:
     """The store scenario (see the module docstring)."""
+    from shoal.images.migrate import store_whole_file
+
     res = ScenarioResult("store", docker=ctx.docker_status if p.docker else "skipped: -p docker=false")
     moosefs.check_installed()
     name = f"bench{os.getpid() % 100000}"
-    local_root = Path(tempfile.mkdtemp(prefix="sbst-", dir="/var/tmp")) / "store"
     ctx.log(f"starting MooseFS '{name}' (master + 2 chunkservers in network namespaces)")
     cluster = await asyncio.to_thread(moosefs.up, name)
+    regdir = Path(tempfile.mkdtemp(prefix="sbreg-", dir="/var/tmp"))
+    keep: list[Path] = []
+    use_docker = p.docker and ctx.docker is not None
     try:
         mstore = ImageStore(Path(cluster.mountpoint) / "store")
-        lstore = ImageStore(local_root)
+        wstore = ImageStore(Path(cluster.mountpoint) / "whole")  # the earlier format, for the baselines
         t0 = time.perf_counter()
-        await asyncio.to_thread(mstore.copy_image_from, ctx.node.store, p.image, "bench-base:latest", link=False)
+        base = await asyncio.to_thread(mstore.copy_image_from, ctx.node.store, p.image, "bench-base:latest")
         publish_s = time.perf_counter() - t0
-        await asyncio.to_thread(lstore.copy_image_from, ctx.node.store, p.image, "bench-base:latest", link=False)
-        size = mstore.resolve("bench-base:latest").size
-        res.data.update({"image": p.image, "image_bytes": size, "publish_to_moosefs_s": round(publish_s, 2)})
+        size = base.size
+        src_img = ctx.node.store.resolve(p.image)
+        wlayers = []
+        for lay in src_img.layers:
+            tmp = Path(tempfile.mkdtemp(prefix="sbw-", dir="/var/tmp")) / "l.erofs"
+            ctx.node.store.export_layer(lay.digest, tmp)
+            wlayers.append(await asyncio.to_thread(store_whole_file, wstore, tmp, lay.source))
+            shutil.rmtree(tmp.parent, ignore_errors=True)
+        wstore.put_image("bench-base:latest", wlayers, src_img.config)
+        stored = mstore.last_write.stored_bytes
+        res.data.update({"image": p.image, "image_bytes": size, "publish_to_moosefs_s": round(publish_s, 2),
+                         "base_stored_bytes": stored, "load_before": os.getloadavg()})
+        reg_cm = _registry(regdir) if use_docker else contextlib.nullcontext("")
+        with reg_cm as reg_:
+            reg = str(reg_)
+            # ---- cold starts
+            configs = [("chunked, checked per chunk (default), first start", mstore, "chunks", False, False),
+                       ("chunked, checked per chunk (default), with the start record", mstore, "chunks", False, True),
+                       ("whole file, unchecked (earlier, SHOAL_VERIFY_LAYERS=0)", wstore, "whole-file", False, False),
+                       ("whole file + whole-layer check (earlier default)", wstore, "whole-file", True, False)]
+            cold: dict[str, Any] = {}
+            with ctx.task("cold starts", len(configs) * p.trials) as adv:
+                for label, st, source, check, record in configs:
+                    rows = []
+                    for _ in range(p.trials):
+                        rows.append(await cold_start(st, "bench-base:latest", cluster, source=source,
+                                                     whole_check=check, record=record))
+                        adv()
+                    cold[label] = {"trials": rows, "total_ms": _median(rows, "total_ms"),
+                                   "fetched_fraction": _median(rows, "fetched_fraction"),
+                                   "fetched_bytes": _median(rows, "fetched_bytes"), "mounted": rows[-1]["mounted"],
+                                   "reader_wire_bytes": _median(rows, "reader_wire_bytes")}
+            res.data["cold"] = cold
+            dk: dict[str, Any] = {}
+            if use_docker:
+                try:
+                    dk = await docker_cold_starts(ctx, reg, p.trials)
+                except Exception as e:
+                    res.notes.append(f"Docker cold start failed: {e}")
+            res.data["docker_cold"] = dk
+            first = cold[configs[0][0]]
+            rec = cold[configs[1][0]]
+            unchecked = cold[configs[2][0]]
+            checked = cold[configs[3][0]]
+            f1 = first["fetched_fraction"] * 100
+            res.add(Metric("cold start: bytes fetched from chunkservers to start + import json (default: every "
+                           "chunk checked)", round(f1, 2), round(dk["pulled_bytes"] / size * 100, 1) if dk else None,
+                           "% of image", target="≤ 10%", met=at_most(f1, 10.0),
+                           note=f"{first['fetched_bytes'] / MIB:.1f} MiB of {size / MIB:.0f} MiB (reader: "
+                                f"{first['reader_wire_bytes'] / MIB:.1f} MiB of zstd chunk objects); Docker: the "
+                                "compressed layers it pulls"),
+                    Metric("… with the image's start record (prefetch)", round(rec["fetched_fraction"] * 100, 2),
+                           None, "% of image"),
+                    Metric("… earlier: whole file, unchecked", round(unchecked["fetched_fraction"] * 100, 2), None,
+                           "% of image", note="corruption would be served"),
+                    Metric("… earlier default: whole file + whole-layer check",
+                           round(checked["fetched_fraction"] * 100, 2), None, "% of image"),
+                    Metric("cold start + import json, MooseFS (default)", round(first["total_ms"], 1),
+                           round(dk["total_ms"], 1) if dk else None, "ms",
+                           note="Docker: pull from a loopback registry + run + exec"),
+                    Metric("… with the start record", round(rec["total_ms"], 1), None, "ms"),
+                    Metric("… earlier: whole file, unchecked", round(unchecked["total_ms"], 1), None, "ms"),
+                    Metric("… earlier default: whole file + whole-layer check", round(checked["total_ms"], 1), None,
+                           "ms"))
 
-        configs = [("moosefs file-backed, no check", mstore, cluster, "auto", False),
-                   ("moosefs loop, no check", mstore, cluster, "loop", False),
-                   ("moosefs file-backed + first-mount check", mstore, cluster, "auto", True),
-                   ("local file-backed, no check", lstore, None, "auto", False),
-                   ("local file-backed + first-mount check", lstore, None, "auto", True)]
-        cold: dict[str, Any] = {}
-        with ctx.task("cold starts", len(configs) * p.trials) as adv:
-            for label, st, cl, mode, verify in configs:
-                rows = []
-                for _ in range(p.trials):
-                    rows.append(await cold_start(st, "bench-base:latest", cl, mode=mode, verify=verify))
-                    adv()
-                cold[label] = {"trials": rows, "total_ms": _median(rows, "total_ms"),
-                               "fetched_fraction": _median(rows, "fetched_fraction"),
-                               "fetched_bytes": _median(rows, "fetched_bytes"), "mounted": rows[-1]["mounted"]}
-        res.data["cold"] = cold
-        dk: dict[str, Any] = {}
-        if p.docker and ctx.docker is not None:
-            try:
-                dk = await docker_cold_starts(ctx, p.trials)
-            except Exception as e:
-                res.notes.append(f"Docker registry comparison failed: {e}")
-        res.data["docker"] = dk
+            # ---- warm starts, ABBA
+            warm = await warm_rounds(mstore, wstore, "bench-base:latest", p.warm_rounds)
+            res.data["warm"] = warm
+            wr, wd = statistics.median(warm["reader_ms"]), statistics.median(warm["direct_ms"])
+            res.add(Metric("warm start (node cache has the chunks; layer mounted afresh) + import json: reader vs "
+                           "earlier direct mount", round(wr, 1), None, "ms",
+                           note=f"direct whole-file mount {wd:.1f} ms; ratio {wr / wd:.2f}; "
+                                f"{len(warm['reader_ms'])}+{len(warm['direct_ms'])} ABBA rounds "
+                                f"(reader {min(warm['reader_ms']):.0f}–{max(warm['reader_ms']):.0f}, direct "
+                                f"{min(warm['direct_ms']):.0f}–{max(warm['direct_ms']):.0f} ms)"))
 
-        f_file = cold["moosefs file-backed, no check"]["fetched_fraction"] * 100
-        f_loop = cold["moosefs loop, no check"]["fetched_fraction"] * 100
-        f_chk = cold["moosefs file-backed + first-mount check"]["fetched_fraction"] * 100
-        res.add(Metric("bytes fetched from chunkservers to start + import json, file-backed", round(f_file, 2),
-                       None, "% of image", target="≤ 10%", met=at_most(f_file, 10.0),
-                       note=f"{cold['moosefs file-backed, no check']['fetched_bytes'] / MIB:.1f} MiB of "
-                            f"{size / MIB:.0f} MiB; mounted {cold['moosefs file-backed, no check']['mounted']}"),
-                Metric("… through a loop device", round(f_loop, 2), None, "% of image", target="≤ 10%",
-                       met=at_most(f_loop, 10.0)),
-                Metric("… with the first-mount integrity check (once per node)", round(f_chk, 2), None,
-                       "% of image", note="the check hashes the whole layer; later sandboxes on the node pay 0"))
-        mfs_ms = cold["moosefs file-backed + first-mount check"]["total_ms"]
-        res.add(Metric("cold start + import json, MooseFS store (default: checked)", round(mfs_ms, 1),
-                       round(dk["total_ms"], 1) if dk else None, "ms",
-                       note="Docker: pull from a loopback registry + run + exec"),
-                Metric("… MooseFS, no check", round(cold["moosefs file-backed, no check"]["total_ms"], 1),
-                       round(dk["total_ms"], 1) if dk else None, "ms"),
-                Metric("… MooseFS loop, no check", round(cold["moosefs loop, no check"]["total_ms"], 1), None, "ms"),
-                Metric("… local store (default: checked)",
-                       round(cold["local file-backed + first-mount check"]["total_ms"], 1),
-                       round(dk["total_ms"], 1) if dk else None, "ms"),
-                Metric("… local store, no check", round(cold["local file-backed, no check"]["total_ms"], 1), None,
-                       "ms"))
+            # ---- the family: images FROM the base, each adding its own layer
+            with ctx.task(f"{p.family} images FROM the base, {p.family_mib} MiB each", p.family) as adv:
+                frefs, ftrees, fst = await asyncio.to_thread(make_family, mstore, "bench-base:latest", p.family,
+                                                             p.family_mib, "bench-family", adv)
+            keep.append(Path(str(fst["work"])))
+            fam = await family_starts(mstore, cluster, frefs)
+            total_layers = size + fst["layer_bytes"]
+            dfam: dict[str, Any] = {}
+            if use_docker:
+                try:
+                    dfam = await docker_family(ctx, reg, ctx.docker.image, ftrees, "family")  # type: ignore[union-attr]
+                    dfam["registry_bytes"] = _registry_blob_bytes(regdir)
+                except Exception as e:
+                    res.notes.append(f"Docker family failed: {e}")
+            res.data["family"] = {**fst, **fam, "images": p.family, "sum_of_layers": total_layers, "docker": dfam}
+            stored_all = stored + fst["stored_bytes"]
+            res.add(Metric(f"{p.family} images FROM the base (+{p.family_mib} MiB each): bytes stored",
+                           round(stored_all / MIB, 1), round(dfam["registry_bytes"] / MIB, 1) if dfam else None,
+                           "MiB", note=f"sum of their layers (base once + own): {total_layers / MIB:.0f} MiB; "
+                                       f"{stored_all / total_layers * 100:.0f}% of it; Docker: the registry's blobs "
+                                       "(gzip layers, incl. the base)"),
+                    Metric("… bytes fetched to start one sandbox of each", round(fam["fetched_bytes"] / MIB, 1),
+                           round(dfam["pulled_bytes"] / MIB, 1) if dfam else None, "MiB",
+                           note=f"{fam['fetched_bytes'] / total_layers * 100:.1f}% of the sum of layers; Docker "
+                                "pulls every layer whole"))
 
-        images = await asyncio.to_thread(_make_images, mstore, "bench-base:latest", p.images)
-        total = p.nodes * p.per_node
-        with ctx.task(f"{p.nodes} nodes × {p.per_node} sandboxes from {p.images} images", total) as adv:
-            b = await burst(mstore, cluster, images, p.nodes, p.per_node, progress=lambda _r: adv())
-        res.data["burst"] = b
-        res.add(Metric(f"{p.nodes} node agents × {p.per_node} sandboxes ({p.images} images), all ready",
-                       round(b["wall_s"], 2), None, "s", note=f"{b['ok']}/{total} ok, {b['rate_per_s']:.0f}/s"),
-                Metric("… bytes fetched from the chunkservers", round(b["fetched_bytes"] / MIB, 1), None, "MiB",
-                       note=f"of which the first-mount checks hashed {b['verified_bytes'] / MIB:.0f} MiB "
-                            f"({p.nodes} nodes × the image)"))
-        if b["n_errors"]:
-            res.notes.append(f"burst errors ({b['n_errors']}): {b['errors']}")
+            # ---- the DSec-shaped burst
+            with ctx.task(f"{p.images} burst images", p.images) as adv:
+                brefs, btrees, bst = await asyncio.to_thread(make_family, mstore, "bench-base:latest", p.images, 0,
+                                                             "bench-burst", adv)
+            keep.append(Path(str(bst["work"])))
+            total = p.images * p.per_image
+            res.data["load_burst"] = os.getloadavg()
+            with ctx.task(f"burst: {p.images} images × {p.per_image} over {p.nodes} nodes", total) as adv:
+                b = await burst(mstore, cluster, brefs, p.nodes, p.per_image, progress=lambda: adv())
+            res.data["burst"] = b
+            db: dict[str, Any] = {}
+            if use_docker:
+                try:
+                    db = await docker_burst(ctx, reg, ctx.docker.image, btrees[:p.docker_images],  # type: ignore[union-attr]
+                                            p.per_image, p.docker_budget_s)
+                except Exception as e:
+                    res.notes.append(f"Docker burst failed: {e}")
+            res.data["docker_burst"] = db
+            res.add(Metric(f"DSec burst: {p.images} images × {p.per_image} sandboxes over {p.nodes} node agents, "
+                           "all ready", round(b["wall_s"], 1), round(db["wall_s"], 1) if db else None, "s",
+                           note=(f"{b['ok']}/{total} ok; Docker: {db.get('images', 0)}/{db.get('of', 0)} images, "
+                                 f"{db.get('containers', 0)} containers on one engine") if db
+                           else f"{b['ok']}/{total} ok"),
+                    Metric("… bytes fetched", round(b["fetched_bytes"] / MIB, 1),
+                           round(db["pulled_bytes"] / MIB, 1) if db else None, "MiB",
+                           note=f"{b['prefetched_chunks']} chunks prefetched from start records"))
+            if b["n_errors"]:
+                res.notes.append(f"burst errors ({b['n_errors']}): {b['errors']}")
+            if db and db.get("images", 0) < db.get("of", 0):
+                res.notes.append(f"Docker finished {db['images']} of {db['of']} burst images within "
+                                 f"{p.docker_budget_s:.0f} s")
 
-        off = await cache_rounds(mstore, "bench-base:latest", cluster, p.cache_rounds, 0)
-        on = await cache_rounds(mstore, "bench-base:latest", cluster, p.cache_rounds, 4096)
-        res.data["cache"] = {"off": off, "on": on}
-        res.add(Metric("layer cache off: first / later round (create+json+close, layer remounted)",
-                       round(off[0]["total_ms"], 1), None, "ms",
-                       note=f"later: {statistics.median(r['total_ms'] for r in off[1:]):.0f} ms, "
-                            f"{statistics.median(r['fetched_bytes'] for r in off[1:]) / MIB:.1f} MiB fetched"
-                       if len(off) > 1 else ""),
-                Metric("layer cache on: first / later round", round(on[0]["total_ms"], 1), None, "ms",
-                       note=f"later: {statistics.median(r['total_ms'] for r in on[1:]):.0f} ms, "
-                            f"{statistics.median(r['fetched_bytes'] for r in on[1:]) / MIB:.1f} MiB fetched"
-                       if len(on) > 1 else ""))
-        if ctx.plot_dir:
-            res.figures.append(_plot(res.data, ctx.figure_path("store.png")))
+            # ---- a corrupt chunk
+            cc = await corrupt_chunk_run(mstore, frefs[0], ftrees[0], "opt/app0/mod0003.py")
+            res.data["corrupt"] = cc
+            res.add(Metric("corrupt chunk: from the read to the node's image_corrupt event",
+                           round(cc["read_to_event_ms"], 1) if cc["read_to_event_ms"] is not None else None, None, "ms",
+                           note=f"detected {cc['read_to_detect_ms']:.0f} ms after the exec began; the read failed "
+                                f"(exit {cc['exit_code']}, EIO), {cc['stdout_bytes']} bytes served; other files: "
+                                f"{cc['intact']} exact, {cc['other_eio']} EIO (share the chunk), {cc['other_wrong']} "
+                                f"wrong; bad chunk cached: {cc['bad_chunk_cached']}; new create refused: "
+                                f"{cc['new_create_refused']}"))
+        res.data["load_after"] = os.getloadavg()
     finally:
         await asyncio.to_thread(moosefs.down, name)
-        shutil.rmtree(local_root.parent, ignore_errors=True)
+        shutil.rmtree(regdir, ignore_errors=True)
+        for d in keep:
+            shutil.rmtree(d, ignore_errors=True)
     return res
 
 
-def _plot(data: dict[str, Any], path: Path | None) -> str:
-    from shoal.bench.plots import _plt
-
-    plt = _plt()
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
-    cold = data["cold"]
-    labels = ["MooseFS\nchecked", "MooseFS", "MooseFS\nloop", "local\nchecked", "local"]
-    keys = ["moosefs file-backed + first-mount check", "moosefs file-backed, no check", "moosefs loop, no check",
-            "local file-backed + first-mount check", "local file-backed, no check"]
-    vals = [cold[k]["total_ms"] for k in keys]
-    if data.get("docker"):
-        labels.append("Docker\npull+run")
-        vals.append(data["docker"]["total_ms"])
-    ax[0].bar(labels, vals, color=["#2e6f95"] * 5 + ["#c2553a"] * (len(vals) - 5))
-    ax[0].set_yscale("log")
-    ax[0].set_ylabel("ms: create + python3 -c 'import json'")
-    ax[0].set_title("cold start")
-    fkeys = {"file-backed": "moosefs file-backed, no check", "loop": "moosefs loop, no check",
-             "file-backed\n+ check": "moosefs file-backed + first-mount check"}
-    ax[1].bar(list(fkeys), [cold[k]["fetched_fraction"] * 100 for k in fkeys.values()], color="#5b8c5a")
-    ax[1].axhline(10, color="#999", ls="--", lw=1)
-    ax[1].set_ylabel("% of the image fetched from chunkservers")
-    ax[1].set_title("bytes fetched over the network")
-    fig.tight_layout()
-    assert path is not None
-    fig.savefig(path)
-    plt.close(fig)
-    return str(path)
-
-
-SCENARIO = Scenario("store", "shared layer store (MooseFS): bytes fetched, cold start vs Docker pull, N nodes, cache",
+SCENARIO = Scenario("store", "chunked verified store on MooseFS: fetch, cold/warm start, family, burst, corruption",
                     run, StoreParams, default_run=False)

@@ -22,9 +22,9 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.config import settings
 from shoal.errors import ImageNotFound, SandboxNotFound, Unauthorized
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from shoal.server.deps import ServerState
 
 log = logging.getLogger("shoal.server")
+T = TypeVar("T")
 #: E2B's own template names that mean "a general Linux box" (mapped to SHOAL_E2B_DEFAULT_IMAGE)
 STOCK_TEMPLATES = ("base", "code-interpreter-v1", "code-interpreter", "desktop", "mcp-gateway")
 #: ... of which these are E2B's code interpreter (the `code-interpreter` image when the store has it)
@@ -68,6 +69,17 @@ def interpreter_image(st: ServerState) -> str | None:
         log.warning("E2B template code-interpreter-v1 runs in %s without matplotlib/pandas/IPython: build "
                     "them once with `shoal image build code-interpreter`", settings().e2b_default_image or "base")
     return None
+
+
+def server_local(st: ServerState, name: str, make: Callable[[], T]) -> T:
+    """What the compat layer keeps per server process (process tables, contexts, watchers, ...): made on first
+    use and kept on the server state as `_e2b_<name>`."""
+    attr = f"_e2b_{name}"
+    got = getattr(st, attr, None)
+    if got is None:
+        got = make()
+        setattr(st, attr, got)
+    return got
 
 
 def template_aliases() -> dict[str, str]:

@@ -116,11 +116,7 @@ class Contexts:
 
 def contexts(st: ServerState) -> Contexts:
     """The context table of this server."""
-    t = getattr(st, "_e2b_contexts", None)
-    if t is None:
-        t = Contexts()
-        st._e2b_contexts = t  # type: ignore[attr-defined]
-    return t
+    return common.server_local(st, "contexts", Contexts)
 
 
 async def stop(ctx: Context) -> None:

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest, SandboxNotFound
+from shoal.server.compat import common
 
 if TYPE_CHECKING:
     from shoal.node.records import SandboxRecord
@@ -206,11 +207,7 @@ class Recorder:
 
 def recorder(st: ServerState) -> Recorder:
     """This server's metrics recorder."""
-    r = getattr(st, "_e2b_metrics", None)
-    if r is None:
-        r = Recorder(st)
-        st._e2b_metrics = r  # type: ignore[attr-defined]
-    return r
+    return common.server_local(st, "metrics", lambda: Recorder(st))
 
 
 def parse_time(value: str | None, name: str) -> int | None:

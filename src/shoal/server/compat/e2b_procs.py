@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest
+from shoal.server.compat import common
 from shoal.server.compat.connect import RpcError, rpc_error
 
 if TYPE_CHECKING:
@@ -186,11 +187,7 @@ class ProcessTable:
 
 def table(st: ServerState) -> ProcessTable:
     """The process table of this server."""
-    t = getattr(st, "_e2b_procs", None)
-    if t is None:
-        t = ProcessTable()
-        st._e2b_procs = t  # type: ignore[attr-defined]
-    return t
+    return common.server_local(st, "procs", ProcessTable)
 
 
 def _int(v: Any) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shoal.agentproto import relay as R
+from shoal.server.compat import common
 from shoal.server.compat.connect import RpcError, rpc_error
 
 if TYPE_CHECKING:
@@ -138,11 +139,7 @@ class Watchers:
 
 def watchers(st: ServerState) -> Watchers:
     """The watcher table of this server."""
-    t = getattr(st, "_e2b_watchers", None)
-    if t is None:
-        t = Watchers()
-        st._e2b_watchers = t  # type: ignore[attr-defined]
-    return t
+    return common.server_local(st, "watchers", Watchers)
 
 
 async def stream_events(stream: R.WatchStream, keepalive_s: float) -> AsyncIterator[dict[str, Any]]:

@@ -147,12 +147,9 @@ class _RelayBackend(httpcore.AsyncNetworkBackend):
 
 def pool(st: ServerState) -> httpcore.AsyncConnectionPool:
     """This server's pool of relayed connections (keep-alive per sandbox and port)."""
-    p = getattr(st, "_e2b_port_pool", None)
-    if p is None:
-        p = httpcore.AsyncConnectionPool(network_backend=_RelayBackend(st), max_connections=1024,
-                                         max_keepalive_connections=256, keepalive_expiry=5.0, retries=0)
-        st._e2b_port_pool = p  # type: ignore[attr-defined]
-    return p
+    return common.server_local(st, "port_pool", lambda: httpcore.AsyncConnectionPool(
+        network_backend=_RelayBackend(st), max_connections=1024, max_keepalive_connections=256,
+        keepalive_expiry=5.0, retries=0))
 
 
 async def close_pool(st: ServerState) -> None:
@@ -208,10 +205,20 @@ async def proxy_http(st: ServerState, scope: dict[str, Any], receive: Any, send:
         path += b"?" + scope["query_string"]
     url = httpcore.URL(scheme=b"http", host=sid.encode(), port=port, target=path)
     has_body = any(k in ("content-length", "transfer-encoding") for k in headers)
+    body_sent = asyncio.Event()
+    if not has_body:
+        body_sent.set()
     started = False
-    try:
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in _body(receive):
+            yield chunk
+        body_sent.set()
+
+    async def relay() -> None:
+        nonlocal started
         async with pool(st).stream(scope["method"], url, headers=_request_headers(scope),
-                                   content=_body(receive) if has_body else None,
+                                   content=body() if has_body else None,
                                    extensions={"timeout": {"connect": CONNECT_TIMEOUT_S, "read": None,
                                                            "write": 60.0, "pool": 30.0}}) as resp:
             out_headers = [(k, v) for k, v in resp.headers if k.lower() not in _HOP
@@ -221,10 +228,28 @@ async def proxy_http(st: ServerState, scope: dict[str, Any], receive: Any, send:
             async for chunk in resp.aiter_stream():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except Exception as e:
-        if not started:
-            await _send_error(send, sid, port, e)
-        # else: the response is cut; the client sees the connection end
+
+    async def client_gone() -> None:
+        # once the request body is in, the next message is the client's disconnect: an endless response
+        # (server-sent events, a long poll) must not outlive its client
+        await body_sent.wait()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(relay()), asyncio.create_task(client_gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        return  # the client went away: the relay was dropped with it
+    err = work.exception()
+    if err is not None and not started:
+        await _send_error(send, sid, port, err)
+    # an error after the start: the response is cut; the client sees the connection end
 
 
 # ---- WebSocket ---------------------------------------------------------------------------------------

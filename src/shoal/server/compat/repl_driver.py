@@ -37,6 +37,13 @@ _PROTO = os.dup(1)          # the channel to the server (non-inheritable: childr
 _LOCK = threading.Lock()
 _REQ = {"id": ""}
 
+def _after_fork():
+    # a child forked while the output thread held the lock would wait for it forever
+    global _LOCK
+    _LOCK = threading.Lock()
+
+os.register_at_fork(after_in_child=_after_fork)
+
 def _json_default(o):
     item = getattr(o, "item", None)          # numpy scalars
     if callable(item):
@@ -307,9 +314,14 @@ _proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8", errors="replace")
 _null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(_null, 0)
 sys.stdin = open(os.devnull)
-import builtins
+import builtins, types
 builtins.display = display
-ns = {"__name__": "__main__", "__builtins__": builtins, "display": display}
+# the cells run in a real __main__ module, as in IPython: functions they define pickle by reference
+# (multiprocessing, joblib, concurrent.futures)
+_main = types.ModuleType("__main__")
+_main.__dict__.update({"__builtins__": builtins, "display": display})
+sys.modules["__main__"] = _main
+ns = _main.__dict__
 _count = 0
 _loop = None
 _FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
