@@ -183,14 +183,15 @@ class _Tee(io.RawIOBase):
 
 # ---- mounting ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def mounted(layers: list[Layer], paths: Any = None) -> Iterator[list[Path]]:
-    """Mount the layers read-only (shared with sandboxes using them) for the duration of the block."""
+def mounted(store: ImageStore, layers: list[Layer], paths: Any = None) -> Iterator[list[Path]]:
+    """Mount the layers of `store` read-only for the duration of the block, through the layer reader of this
+    SHOAL_HOME for that store (shared with sandboxes that use them)."""
     if os.geteuid() != 0:
         raise BackendUnavailable("exporting images needs root (the layers are mounted to be read)")
     from shoal.config import Paths
     from shoal.images.mounts import LayerMounts
 
-    lm = LayerMounts(paths or Paths.from_env())
+    lm = LayerMounts(paths or Paths.from_env(store=store.root))
     user = f"export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     mps = lm.acquire(layers, user)
     try:
@@ -261,7 +262,7 @@ def export_image(store: ImageStore, ref: str, out: Path | str | IO[bytes], *, re
         try:
             counted = _Tee(f)
             with tarfile.open(fileobj=counted, mode="w|", format=tarfile.PAX_FORMAT) as outer, \
-                    mounted(img.layers, paths) as mps:
+                    mounted(store, img.layers, paths) as mps:
                 diff_ids = []
                 names = []
                 for i, (lay, mp) in enumerate(zip(img.layers, mps, strict=True)):
@@ -365,7 +366,7 @@ def push_image(store: ImageStore, ref: str, target: str, *, settings: Any = None
     scope = f"repository:{tr.repository}:pull,push"
     try:
         descs, diff_ids = [], []
-        with mounted(img.layers, paths) as mps:
+        with mounted(store, img.layers, paths) as mps:
             for i, (lay, mp) in enumerate(zip(img.layers, mps, strict=True)):
                 label = f"layer {i + 1}/{len(img.layers)} {lay.digest[:19]}"
                 known = store.cache_get(EXPORT_CACHE, lay.hex) or {}
