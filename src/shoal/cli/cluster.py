@@ -1,8 +1,10 @@
-"""`shoal cluster up|status|down --address ADDR`: the node agents of a Ray cluster."""
+"""`shoal cluster up|status|down --address ADDR`: the node agents of a Ray cluster; `shoal cluster local`: a Ray
+cluster on 127.0.0.1 to try it on one machine."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -34,10 +36,12 @@ def up(address: AddressOpt,
        = "shoal",
        home: Annotated[str | None, typer.Option(help="SHOAL_HOME of the node agents [each node's own]")] = None,
        store: Annotated[str | None, typer.Option(help="the shared layer store every node mounts "
-                                                 "[each node's SHOAL_STORE]")] = None,
+                                                 "[each node's SHOAL_STORE; with --home-per-node this "
+                                                 "host's]")] = None,
        home_per_node: Annotated[bool, typer.Option("--home-per-node", help="each agent gets "
-                                                   "HOME/nodes/<node id> (test clusters whose Ray nodes share "
-                                                   "one host)")] = False,
+                                                   "HOME/nodes/<node id>, all sharing this host's layer store "
+                                                   "unless --store says otherwise (clusters whose Ray nodes "
+                                                   "share one host)")] = False,
        env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE set in every node agent (repeat)")] = None,
        as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Start a node agent on every Ray node offering the resource that has none (a second `up` only adds
@@ -74,6 +78,54 @@ def up(address: AddressOpt,
 
 def _mb(x: Any) -> str:
     return f"{int(x) / 1024:.1f}G" if isinstance(x, (int, float)) else "-"
+
+
+def _local_state(port: int) -> Path:
+    return Path("/run/shoal/local-clusters") / f"{port}.json"
+
+
+@cluster_app.command("local")
+def local(workers: Annotated[int, typer.Option(help="worker nodes offering the shoal resource")] = 2,
+          port: Annotated[int, typer.Option(help="the head's GCS port (the --address is 127.0.0.1:PORT)")] = 6390,
+          worker_cpus: Annotated[int, typer.Option(help="CPUs each worker node offers Ray")] = 1,
+          stop: Annotated[bool, typer.Option("--stop", help="stop the local cluster on PORT")] = False) -> None:
+    """A Ray head and WORKERS worker nodes offering `shoal`, all on 127.0.0.1, started for trying cluster mode on
+    one machine (Ray's own `ray start` registers the host's outward address instead: it allows loopback only for
+    single-node clusters). Returns once they are up; they run until `shoal cluster local --stop --port PORT`."""
+    from shoal.cluster.local import LocalCluster, stop_session
+
+    state = _local_state(port)
+    if stop:
+        if not state.exists():
+            _fail(ValueError(f"no local cluster on port {port} was started here (no {state})"))
+        info = json.loads(state.read_text())
+        n = stop_session(info["temp_dir"])
+        state.unlink(missing_ok=True)
+        console.print(f"stopped the local cluster on 127.0.0.1:{port} ({n} Ray process(es))")
+        return
+    if state.exists():
+        info = json.loads(state.read_text())
+        if Path(info.get("temp_dir", "")).is_dir():
+            _fail(ValueError(f"a local cluster already runs on port {port} (stop it: shoal cluster local --stop "
+                             f"--port {port})"))
+    for attempt in range(3):
+        lc = LocalCluster(workers, worker_cpus=worker_cpus, port=port, detached=True)
+        try:
+            with console.status(f"starting a Ray head and {workers} worker node(s) on 127.0.0.1:{port}…"):
+                lc.start()
+            break
+        except Exception as e:
+            if lc.temp_dir:
+                stop_session(lc.temp_dir)
+            # Ray gives a node a fixed 30 s to register: on a busy machine that can pass, and a new try works
+            if "timed out during startup" in str(e) and attempt < 2:
+                err_console.print(f"[yellow]{e}[/yellow]: trying again")
+                continue
+            _fail(RuntimeError(f"the local Ray cluster did not start: {e}"))
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"address": lc.address, "temp_dir": lc.temp_dir, "workers": workers}))
+    console.print(f"Ray cluster on [bold]{lc.address}[/bold]: a head and {workers} worker node(s) offering "
+                  f"`shoal`; next: shoal cluster up --address {lc.address} --home-per-node")
 
 
 @cluster_app.command("status")

@@ -46,15 +46,21 @@ def _actor_class() -> Any:
 def up(address: str, *, resource: str = RESOURCE, home: str | None = None, store: str | None = None,
        home_per_node: bool = False, env: dict[str, str] | None = None,
        start_timeout_s: float = START_TIMEOUT_S) -> UpReport:
-    """Start a node agent on every live Ray node offering `resource` that has none yet (idempotent)."""
+    """Start a node agent on every live Ray node offering `resource` that has none yet (idempotent).
+
+    `home_per_node` (several Ray nodes on one host): each agent's home is `home/nodes/<node id>` and, unless
+    `store` is given, all of them use this host's layer store (SHOAL_STORE, else `<SHOAL_HOME>/store`) —
+    a per-node home would otherwise give each node an empty store of its own."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     connect(address)
-    if home_per_node and not home:
+    if home_per_node and (not home or not store):
         from shoal.config import Paths
 
-        home = str(Paths.from_env().home)
+        here = Paths.from_env(home)
+        home = str(here.home)
+        store = store or str(here.store)
     rep = UpReport()
     have = set(agent_names())
     actor_cls = _actor_class()

@@ -31,8 +31,13 @@ class LocalCluster:
     """Head (no sandboxes) + `workers` Ray nodes offering `shoal`, all on 127.0.0.1."""
 
     def __init__(self, workers: int = 3, *, head_cpus: int = 2, worker_cpus: int = 1,
-                 labels: bool = False, system_config: dict[str, Any] | None = None) -> None:
+                 labels: bool = False, system_config: dict[str, Any] | None = None, port: int | None = None,
+                 detached: bool = False) -> None:
         self.n_workers = workers
+        #: the head's GCS port (None: a free one)
+        self.port = port
+        #: True: the Ray processes outlive this Python process (`shoal cluster local`; `stop_session` ends them)
+        self.detached = detached
         self.head_cpus = head_cpus
         self.worker_cpus = worker_cpus
         self.labels = labels
@@ -58,13 +63,17 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="shray-", dir="/tmp")
+        if self.detached:
+            # Ray notes "the current cluster" in its default temp dir (/tmp/ray), shared by every cluster of the
+            # host: a cluster started for the command line keeps that note in its own session directory
+            os.environ["RAY_TMPDIR"] = self.temp_dir
         # Ray notes the head's address in its *default* temp dir whatever temp_dir says (/tmp/ray/ray_current_cluster)
         # and fails when that directory does not exist yet: on a fresh machine, where no Ray ran before
         from ray._common.utils import get_default_ray_temp_dir
 
         os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
-            node_ip_address="127.0.0.1", gcs_server_port=_free_port(), include_dashboard=False,
+        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=not self.detached, head_node_args=dict(
+            node_ip_address="127.0.0.1", gcs_server_port=self.port or _free_port(), include_dashboard=False,
             # Ray's head defaults to fixed ports for these (52365 …): other clusters on this host may hold them
             dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
             num_cpus=self.head_cpus, temp_dir=self.temp_dir,
@@ -129,3 +138,24 @@ def ray_processes_of(temp_dir: str) -> list[int]:
         if temp_dir.encode() in cmd:
             out.append(int(pid))
     return out
+
+
+def stop_session(temp_dir: str, attempts: int = 10) -> int:
+    """Kill every process of the Ray session under `temp_dir` (a detached LocalCluster) and remove the
+    directory; the number of processes killed."""
+    import signal
+    import time
+
+    killed: set[int] = set()
+    me = os.getpid()
+    for _ in range(attempts):
+        left = [p for p in ray_processes_of(temp_dir) if p != me]
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+        time.sleep(0.3)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return len(killed)
