@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shoal.backends.registry import RUNTIMES
+from shoal.backends.registry import RUNTIMES, VMMS
 from shoal.errors import InvalidRequest
 
 PREFIX = "SHOAL_"
@@ -518,7 +518,7 @@ class Settings:
     vm_ksm: bool = setting(True, "vm", "guest RAM is private and mergeable and the node turns KSM on: identical "
                            "pages of VMs are stored once (off: guest RAM in a memfd, never merged)", BOOL)
     vmm: str = setting("auto", "vm", "microVM monitor: auto = Firecracker when usable, else QEMU",
-                       choice("auto", "qemu"))
+                       choice("auto", *VMMS))
     qemu: Path | None = setting(None, "vm", "the qemu-system-x86_64 binary", _optional(PATH),
                                 default_doc="on PATH")
     firecracker: Path | None = setting(None, "vm", "the firecracker binary", _optional(PATH), default_doc="on PATH")

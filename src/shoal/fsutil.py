@@ -1,13 +1,17 @@
-"""Small filesystem helpers: atomic writes that are safe on shared filesystems, hashing, unique temp names."""
+"""Small filesystem helpers: atomic writes that are safe on shared filesystems, hashing, unique temp names,
+host-wide file locks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import secrets
 import socket
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +69,34 @@ def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of bytes."""
     return hashlib.sha256(data).hexdigest()
+
+
+def _lock_fd(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+@contextlib.contextmanager
+def flocked(path: Path, *, shared: bool = False) -> Iterator[int]:
+    """Hold an exclusive (or `shared`) flock on the lock file `path` (made, with its directory, when
+    missing) for the `with` block; yields its descriptor. What serializes host-wide setup between node
+    processes (a bridge, a tmpfs, a layer mount, a build): the kernel drops the lock when the holder dies,
+    so a crash never leaves it held."""
+    fd = _lock_fd(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def aflocked(path: Path) -> AsyncIterator[int]:
+    """`flocked` for coroutines: the wait for another process's lock runs in a thread, so the event loop
+    keeps serving while a long holder (an image build) finishes."""
+    fd = _lock_fd(path)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)

@@ -38,6 +38,11 @@ def _tricky_layers() -> list[bytes]:
     return [busybox_layer(), lower, upper]
 
 
+@pytest.fixture(autouse=True)
+def _private_home(shoal_home: Path) -> None:
+    """Exports mount layers: always under the session's own SHOAL_HOME, never the host's default one."""
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> ImageStore:
     return ImageStore(tmp_path / "store")

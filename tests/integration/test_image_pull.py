@@ -432,3 +432,23 @@ async def test_pull_and_pull_on_demand_over_http(registry_env: LoopbackRegistry,
     finally:
         srv.stop()
     assert ImageStore(tmp_path / "store").exists("hcreate:1")
+
+
+def test_a_build_from_a_missing_image_pulls_it(registry_env: LoopbackRegistry, tmp_path: Path,
+                                               shoal_home: Path) -> None:
+    """A recipe's `--from` (as a Dockerfile FROM) of an image the store lacks pulls it; the RUN step runs with
+    the image's /bin/sh (busybox: no bash)."""
+    from tests.registry import busybox_layer
+
+    reg = registry_env
+    reg.push("library/bbase:1", [busybox_layer()], env=["PATH=/bin"])
+    env = {**os.environ, "SHOAL_STORE": str(tmp_path / "store"), "SHOAL_HOME": str(shoal_home), "COLUMNS": "200"}
+    shoal = [str(Path(sys.executable).parent / "shoal")]
+    r = subprocess.run([*shoal, "image", "build", "built:1", "--from", "bbase:1", "--no-network",
+                        "--run", "echo built-on-$(cat /etc/passwd | head -c 4) > /marker"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    store = ImageStore(tmp_path / "store")
+    assert store.exists("bbase:1") and store.resolve("bbase:1").lineage["pulled"] == "docker.io/library/bbase:1"
+    built = store.resolve("built:1")
+    assert len(built.layers) == 2 and built.layers[0].digest == store.resolve("bbase:1").layers[0].digest

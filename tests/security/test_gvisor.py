@@ -7,6 +7,7 @@ and reaches the (test-made) internet with network=True."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -69,4 +70,69 @@ async def test_memory_fork_of_gvisor_is_a_typed_refusal(client: shoal.Client, gv
     sb = await client.create("base", runtime="gvisor", memory_mb=256)
     with pytest.raises(shoal.ShoalError, match="runsc checkpoint cannot save"):
         await sb.fork(1, memory=True)
+    await sb.close()
+
+
+ALLOC = r"""
+import sys
+chunks = []
+for i in range(int(sys.argv[1])):
+    b = bytearray(64 << 20)
+    for j in range(0, len(b), 4096):
+        b[j] = 1
+    chunks.append(b)
+print("allocated", len(chunks) * 64, flush=True)
+"""
+
+FORKS = r"""
+import os, sys, time
+n, pids = 0, []
+try:
+    for i in range(int(sys.argv[1])):
+        p = os.fork()
+        if p == 0:
+            time.sleep(30)
+            os._exit(0)
+        pids.append(p)
+        n += 1
+except OSError as e:
+    print("refused:", e.errno, flush=True)
+print("forked", n, flush=True)
+for p in pids:
+    os.kill(p, 9)
+"""
+
+
+def _cg(client: shoal.Client, sid: str, ctl: str, name: str) -> int:
+    cg = client.transport.node.record(sid).cgroup
+    return int(Path(f"/sys/fs/cgroup/{ctl}{cg}/{name}").read_text())
+
+
+async def test_gvisor_sandboxes_are_held_by_their_memory_and_pids_limits(client: shoal.Client, gvisor: None) -> None:
+    """Issue 23, item 10: runsc ran with --ignore-cgroups here, and a memory_mb=256 sandbox took 2.6 GiB of
+    the host, a pids=128 one ran 2,000 processes. Now the sentry, its stubs and the gofer are in the
+    sandbox's cgroups (the memory limit plus the runtime's overhead), and `pids` holds inside gVisor."""
+    from shoal.backends.runtime import GvisorRuntime
+
+    if not Path("/sys/fs/cgroup/memory").is_dir():
+        pytest.skip("reads the cgroup v1 memory and pids controllers (a hybrid or v1 host)")
+    sb = await client.create("base", runtime="gvisor", memory_mb=256, pids=128)
+    await sb.write_file("/tmp/alloc.py", ALLOC.encode())
+    try:
+        r = await sb.exec(["python3", "/tmp/alloc.py", "40"], timeout=120)  # 2.5 GiB
+        assert b"allocated 2560" not in r.stdout and r.exit_code != 0, r
+    except shoal.SandboxError:
+        pass  # the host's OOM killer may take the whole sandbox: held either way
+    limit = (256 + GvisorRuntime.memory_overhead_mb) << 20
+    with contextlib.suppress(FileNotFoundError):  # (gone with the sandbox if it died)
+        peak = _cg(client, sb.id, "memory", "memory.max_usage_in_bytes")
+        assert peak <= limit + (4 << 20), (peak >> 20, limit >> 20)  # (charges are batched a few pages at a time)
+    with contextlib.suppress(shoal.ShoalError):
+        await sb.close()
+    sb = await client.create("base", runtime="gvisor", memory_mb=512, pids=128)
+    await sb.write_file("/tmp/forks.py", FORKS.encode())
+    r = await sb.exec(["python3", "/tmp/forks.py", "2000"], timeout=180)
+    forked = int(r.stdout.decode().split("forked")[1].split()[0])
+    assert b"refused: 11" in r.stdout and forked < 128, r.stdout  # EAGAIN, as under crun's pids cgroup
+    assert (await sb.exec("echo alive")).stdout == b"alive\n"  # and the sandbox lives on
     await sb.close()

@@ -49,7 +49,8 @@ class _Store:
         self.tags_dir = Path("/nonexistent/fake-store/tags")  # no tag files: digests belong to no name here
 
     def exists(self, ref: str) -> bool:
-        return ref.split(":")[0] in self.names
+        # names only: a digest this fake never stored is not there (as in the real store)
+        return "@" not in ref and ":sha256-" not in ref and ref.split(":")[0] in self.names
 
     def resolve(self, ref: str) -> object:
         if not self.exists(ref):

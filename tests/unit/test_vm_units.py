@@ -201,5 +201,16 @@ def test_firecracker_is_chosen_only_when_usable(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("SHOAL_VM_ACCEL", "tcg")  # KVM not usable
     ok, why = fc.firecracker_usable()
     assert not ok and "needs KVM" in why
-    monkeypatch.setenv("SHOAL_VMM", "qemu")
-    assert fc.firecracker_usable() == (False, "SHOAL_VMM=qemu: microVMs use QEMU")
+    # the VMM registry: "auto" passes over a monitor that cannot run; one asked for by name must run
+    from shoal.backends.registry import VMMS, pick_vmm, vmm_names
+    from shoal.errors import BackendUnavailable
+
+    assert vmm_names() == ["firecracker", "qemu"] and set(VMMS) == set(vmm_names())
+    entry, why = pick_vmm("auto")
+    assert entry.name == "qemu" and "needs KVM" in why
+    with pytest.raises(BackendUnavailable, match="SHOAL_VMM=qemu, but it cannot run here: QEMU is not installed"):
+        pick_vmm("qemu")
+    monkeypatch.setenv("SHOAL_QEMU", str(fake))  # any executable will do: nothing is started
+    assert pick_vmm("qemu")[0].name == "qemu"
+    with pytest.raises(BackendUnavailable, match=r"SHOAL_VMM=firecracker, but it cannot run here: .*needs KVM"):
+        pick_vmm("firecracker")

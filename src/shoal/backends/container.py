@@ -355,8 +355,11 @@ class ContainerBackend(Backend):
             gf.ensure()
             cfg = build_config(
                 rootfs=str(rootfs), hostname=spec.hostname or "sandbox",
-                env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus, memory_mb=spec.memory_mb,
-                pids=spec.pids, netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
+                env=env, cwd="/", cgroups_path=rec.cgroup, cpus=spec.cpus,
+                # the runtime's own processes (gVisor's sentry and gofer) live in the sandbox's cgroups too
+                memory_mb=spec.memory_mb + rt.memory_overhead_mb, pids=rt.host_pids(spec.pids),
+                nproc=spec.pids if rt.own_pids_limit else None,
+                netns_path=netns, resolv_conf=resolv, swap_mb=swap_mb,
                 proc_binds=rt.proc_binds, **gf.config_args(spec.memory_mb, swap_mb),
                 agent_run_dir=str(run_dir) if run_dir else None, bind_tmp=rt.own_tmp and _tmp_dir(rootfs),
                 extra_mounts=rec.extra.get("build_mounts"),
@@ -375,6 +378,11 @@ class ContainerBackend(Backend):
             crash_point("create.runtime")
             # the agent must outlive an OOM in its own sandbox: what it runs dies instead (shoal.host.oom)
             protect_agent(pid)
+            if rt.own_pids_limit:
+                # gVisor: `pid` is its sentry; its gofer (the sandbox's file server, made at 500 by runsc from
+                # the config) shares the cgroup and must not be the OOM killer's first choice either
+                for other in _runtime_helpers(rec.cgroup, pid):
+                    protect_agent(other)
             # the runtime set cpus as quota and shares; the class adds burst, or makes the sandbox idle
             rec.extra["cpu"] = cpuclass.apply(rec.cgroup, spec.cpu_class, spec.cpus, pid)
             if swap_mb:
@@ -599,3 +607,14 @@ def _tmp_dir(rootfs: Path) -> bool:
         os.chmod(tmp, 0o1777)
         return True
     return stat.S_ISDIR(st.st_mode)
+
+
+def _runtime_helpers(cgroup: str, sentry: int) -> list[int]:
+    """The runtime's own processes beside the sandbox's in its memory cgroup (gVisor's gofer)."""
+    out = []
+    with contextlib.suppress(OSError):
+        for p in Path(f"/sys/fs/cgroup/memory{cgroup}/cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError, ValueError):
+                if int(p) != sentry and Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"runsc-gofer"):
+                    out.append(int(p))
+    return out

@@ -55,9 +55,7 @@ def firecracker_binary() -> str | None:
 
 
 def firecracker_usable() -> tuple[bool, str]:
-    """(usable, why): a binary on PATH, KVM working, and SHOAL_VMM not forcing QEMU."""
-    if settings().vmm == "qemu":
-        return False, "SHOAL_VMM=qemu: microVMs use QEMU"
+    """(usable, why): a binary on PATH and KVM working (the VMM registry's probe, shoal.backends.registry)."""
     binary = firecracker_binary()
     if not binary:
         return False, "no firecracker binary on PATH (it is not packaged by Debian; microVMs use QEMU microvm)"

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import hashlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shoal.errors import ImageBuildError, ImageNotFound
+from shoal.fsutil import aflocked
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
@@ -140,12 +139,8 @@ async def ensure_fncall_image(node: Node, ref: str = "fncall:latest",
         if node.store.exists(ref):
             return ref
         path = node.paths.locks / f"fncall-image-{ref.replace('/', '_').replace(':', '_')}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            # another process may be building it: wait for its lock, then look again
-            await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        # another process may be building it: wait for its lock, then look again
+        async with aflocked(path):
             if not node.store.exists(ref):
                 await build_fncall_image(node, ref, log=log)
-        finally:
-            os.close(fd)
     return ref

@@ -20,16 +20,14 @@ Without the tmpfs (it cannot be mounted) the same files are made on disk and onl
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from shoal.config import Paths
-from shoal.fsutil import sha256_file
+from shoal.fsutil import flocked, sha256_file
 from shoal.host import syscalls
 
 log = logging.getLogger(__name__)
@@ -87,21 +85,11 @@ class GuestFiles:
         """The sandbox's /proc/cmdline (empty)."""
         return self.root / "cmdline"
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.paths.locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.paths.locks / "guestfs.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
     def ensure(self) -> None:
         """Mount the tmpfs (if possible) and fill it; cheap after the first call."""
         if self._ready and self.empty_file.exists():
             return
-        with self._lock():
+        with flocked(self.paths.locks / "guestfs.lock"):
             self.root.mkdir(parents=True, exist_ok=True)
             if self.tmpfs and not syscalls.is_mountpoint(str(self.root)):
                 try:
@@ -169,7 +157,7 @@ class GuestFiles:
     def teardown(self) -> bool:
         """Unmount the tmpfs if no sandbox directory is left in SHOAL_HOME. True if unmounted."""
         self._ready = False
-        with self._lock():
+        with flocked(self.paths.locks / "guestfs.lock"):
             if not syscalls.is_mountpoint(str(self.root)):
                 return False
             with contextlib.suppress(FileNotFoundError), os.scandir(self.paths.sandboxes) as it:

@@ -1,19 +1,18 @@
-"""The "microvm" backend: Firecracker when it is installed and KVM works here, else QEMU's microvm machine."""
+"""The "microvm" backend: the first VM monitor of the VMM registry that can run here (Firecracker when it is
+installed and KVM works, else QEMU's microvm machine), or the one SHOAL_VMM names."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shoal.backends.base import Backend
-from shoal.backends.firecracker import FirecrackerBackend, firecracker_usable
-from shoal.backends.vm import QemuVmBackend
+from shoal.backends.registry import make_vmm_backend
+from shoal.config import settings
 
 if TYPE_CHECKING:
+    from shoal.backends.base import Backend
     from shoal.node.context import NodeContext
 
 
 def make_microvm_backend(ctx: NodeContext, name: str = "microvm") -> Backend:
     """The backend object for "microvm" on this host (the registry's factory)."""
-    if firecracker_usable()[0]:
-        return FirecrackerBackend(ctx, name)
-    return QemuVmBackend(ctx, name)
+    return make_vmm_backend(ctx, name, settings().vmm)

@@ -81,7 +81,7 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
                  cgroups_path: str, cpus: float, memory_mb: int, pids: int, shm_mb: int = 64,
                  netns_path: str | None = None, resolv_conf: str | None = None,
                  agent_args: list[str] | None = None, seccomp: bool = True,
-                 swap_mb: int | None = None, mntns_path: str | None = None,
+                 swap_mb: int | None = None, mntns_path: str | None = None, nproc: int | None = None,
                  empty_dir: str | None = None, empty_file: str | None = None,
                  proc_files: dict[str, str] | None = None,
                  proc_binds: frozenset[str] | None = None,
@@ -98,7 +98,8 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
     socket there instead of fd 3 (runtimes that cannot hand it an fd). `bind_tmp` binds the rootfs's own /tmp
     at /tmp (gVisor mounts a tmpfs of its own kernel at an empty /tmp unless the spec mounts something there:
     files in it would miss the writable layer, snapshots and disk_mb). `extra_mounts` (OCI mount entries) are
-    added last: a Dockerfile build's RUN --mount cache, bind, secret and tmpfs mounts (never user-given)."""
+    added last: a Dockerfile build's RUN --mount cache, bind, secret and tmpfs mounts (never user-given). `nproc`
+    sets RLIMIT_NPROC (for a runtime that enforces the process limit in its own kernel: gVisor)."""
     mem = memory_mb * 1024 * 1024
     period = 100_000
     resources: dict[str, Any] = {
@@ -184,7 +185,9 @@ def build_config(*, rootfs: str, guest_dir: str, hostname: str, env: dict[str, s
         "env": [f"{k}={v}" for k, v in env.items()],
         "cwd": "/",
         "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted")},
-        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _nofile(), "soft": _nofile()}],
+        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _nofile(), "soft": _nofile()}]
+        # a runtime that counts the sandbox's processes in its own kernel (gVisor) enforces `pids` there
+        + ([{"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc}] if nproc else []),
         "noNewPrivileges": True,
     }
     # Every process of the sandbox starts at 500: in an OOM shared with the host, sandbox processes go

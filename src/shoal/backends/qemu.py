@@ -49,6 +49,14 @@ def find_qemu() -> str:
     return q
 
 
+def qemu_usable() -> tuple[bool, str]:
+    """(usable, why): a QEMU binary (the VMM registry's probe; QEMU runs without KVM too, under TCG)."""
+    try:
+        return True, f"qemu at {find_qemu()}"
+    except BackendUnavailable as e:
+        return False, str(e)
+
+
 def host_tsc_khz() -> int | None:
     """The host's TSC frequency: under TCG the guest reads the host's TSC, and with no PIT calibration on
     the microvm machine the kernel must be told the rate (tsc_early_khz)."""

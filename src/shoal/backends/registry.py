@@ -1,8 +1,8 @@
-"""Which backends and container runtimes exist: name → factory, imported on first use.
+"""Which backends, container runtimes and VM monitors exist: name → factory, imported on first use.
 
 A backend's module is imported only when a node first needs that backend, so an uninstalled extra (or a
 host without QEMU) costs nothing until someone asks for it — and then its import errors are loud.
-Adding a backend or a runtime is one module plus one entry here (docs/architecture.md shows the steps).
+Adding a backend, a runtime or a VMM is one module plus one entry here (docs/architecture.md shows the steps).
 """
 
 from __future__ import annotations
@@ -44,6 +44,21 @@ class RuntimeEntry:
     auto_rank: int | None = None
 
 
+@dataclass(frozen=True)
+class VmmEntry:
+    """One virtual machine monitor the microvm backend can run on: `factory` is "module:callable", called as
+    `factory(ctx, name)` → Backend; `usable` is "module:callable" → (usable, why), what `vmm="auto"` asks."""
+
+    name: str
+    factory: str
+    usable: str
+    #: how to install it (shown when it is asked for by name and cannot run)
+    install: str
+    #: order in which vmm="auto" tries it; the last one is taken even when it says it cannot run (its
+    #: create then says what is missing)
+    auto_rank: int
+
+
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("container", "shoal.backends.container:ContainerBackend",
                  "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
@@ -61,6 +76,14 @@ RUNTIMES: dict[str, RuntimeEntry] = {e.name: e for e in (
     RuntimeEntry("runc", "runc", "shoal.backends.runtime:RuncRuntime", "apt-get install runc", auto_rank=1),
     RuntimeEntry("gvisor", "runsc", "shoal.backends.runtime:GvisorRuntime",
                  "apt-get install runsc (Debian 12), or the binary from gvisor.dev"),
+)}
+
+VMMS: dict[str, VmmEntry] = {e.name: e for e in (
+    VmmEntry("firecracker", "shoal.backends.firecracker:FirecrackerBackend",
+             "shoal.backends.firecracker:firecracker_usable",
+             "the firecracker binary on PATH or in SHOAL_FIRECRACKER (not packaged by Debian); needs KVM", auto_rank=0),
+    VmmEntry("qemu", "shoal.backends.vm:QemuVmBackend", "shoal.backends.qemu:qemu_usable",
+             "apt-get install qemu-system-x86 qemu-utils", auto_rank=1),
 )}
 
 _loaded: dict[str, Callable[..., Any]] = {}
@@ -125,3 +148,37 @@ def make_runtime(name: str, binary: str) -> OciRuntime:
         raise BackendUnavailable(f"unknown runtime {name!r}: choose {', '.join(RUNTIMES)}")
     runtime: OciRuntime = _load(entry.factory)(name, binary)
     return runtime
+
+
+def vmm_names() -> list[str]:
+    """Registered VM monitors, in the order vmm="auto" tries them."""
+    return [e.name for e in sorted(VMMS.values(), key=lambda e: e.auto_rank)]
+
+
+def pick_vmm(preference: str) -> tuple[VmmEntry, str]:
+    """The VM monitor microVMs run on, with why: the one named by `preference`, or ("auto") the first in
+    `auto_rank` order that says it can run here, else the last one (whose create says what is missing).
+    BackendUnavailable when the one asked for by name cannot run."""
+    if preference != "auto":
+        entry = VMMS.get(preference)
+        if entry is None:
+            raise InvalidRequest(f"unknown VMM {preference!r}: choose auto, {', '.join(vmm_names())}")
+        ok, why = _load(entry.usable)()
+        if not ok:
+            raise BackendUnavailable(f"SHOAL_VMM={preference}, but it cannot run here: {why} ({entry.install})")
+        return entry, f"SHOAL_VMM={preference}: {why}"
+    ranked = [VMMS[n] for n in vmm_names()]
+    whys = []
+    for entry in ranked[:-1]:
+        ok, why = _load(entry.usable)()
+        if ok:
+            return entry, why
+        whys.append(why)
+    return ranked[-1], "; ".join(whys) or "the only VMM"
+
+
+def make_vmm_backend(ctx: NodeContext, name: str, preference: str) -> Backend:
+    """The backend object for `name` (a microVM kind) on the VMM `preference` picks (see pick_vmm)."""
+    entry, _ = pick_vmm(preference)
+    backend: Backend = _load(entry.factory)(ctx, name)
+    return backend

@@ -130,6 +130,17 @@ class OciRuntime:
     own_tmp = False
     #: where the runtime keeps a container's state (root's default `--root`); None: only `delete` may remove it
     state_root: Path | None = None
+    #: host tasks and memory (MiB) the runtime's own processes take inside the sandbox's cgroups (a
+    #: user-space kernel's threads and heap): added to the cgroup limits so the sandbox keeps its own
+    pids_overhead = 0
+    memory_overhead_mb = 0
+    #: the runtime enforces `pids` itself (as RLIMIT_NPROC in its own kernel); the host's pids cgroup is
+    #: then only the backstop (see host_pids)
+    own_pids_limit = False
+
+    def host_pids(self, pids: int) -> int:
+        """The host pids cgroup limit for a sandbox of `pids` processes."""
+        return pids + self.pids_overhead
 
     def __init__(self, name: str, binary: str) -> None:
         self.name = name
@@ -236,23 +247,37 @@ class GvisorRuntime(OciRuntime):
     Debian 12's runsc (a 2022 build) has no `--preserve-fds`: the agent listens on a path in a host
     directory bound into the sandbox, which `--host-uds=create` lets it create (the sandbox may create
     host sockets there, never open one). Its network is none, or the host kernel's sockets inside the
-    sandbox's network namespace (see run_detached). On a hybrid cgroup host it runs with `--ignore-cgroups`: memory and
-    pids limits are then gVisor's own accounting, not the host's cgroups (docs/security.md)."""
+    sandbox's network namespace (see run_detached).
+
+    runsc puts its sandbox (the sentry and, on ptrace, one stub process per address space) and its gofer
+    into the container's cgroups and sets their limits from the config, on cgroup v1, hybrid and v2 hosts
+    alike (issue 23: it used to run with `--ignore-cgroups` on hybrid hosts, and memory_mb=256 took 2.6 GiB,
+    pids=128 ran 2,000 processes). Its own threads and heap count there too: `memory_overhead_mb` is added
+    to the memory limit (an idle sandbox's sentry and gofer: 14-34 MiB), and `pids` is enforced inside
+    gVisor as RLIMIT_NPROC with the host cgroup as a backstop (host_pids)."""
 
     kill_all = False
-    freezes_cgroup = False  # pauses inside its own kernel (and runs with --ignore-cgroups on hybrid hosts)
+    freezes_cgroup = False  # pauses inside its own kernel
     passes_fds = False
     own_tmp = True
+    pids_overhead = 256
+    memory_overhead_mb = 64
+    own_pids_limit = True
+
+    def host_pids(self, pids: int) -> int:
+        """On ptrace every process of the sandbox costs the host about 7-8 tasks (its stub process's
+        threads and the sentry's tracers: 126 processes took 990 host tasks, measured), and the sentry
+        and gofer hold 110-150 threads of their own. So the sandbox's `pids` is enforced inside gVisor
+        (RLIMIT_NPROC: fork answers EAGAIN, as under crun's pids cgroup), and the host cgroup, sized for
+        that, is the backstop (a sentry refused a thread dies: Go cannot survive it)."""
+        return 8 * pids + self.pids_overhead
 
     def default_global_args(self) -> list[str]:
-        """The platform and cgroup mode on every call (ptrace works without KVM). shoal's seccomp profile is
-        not applied inside the sentry (--oci-seccomp broke a local HTTP server in the suite): what it
-        denies is host-kernel surface, and a gVisor sandbox's syscalls never reach the host kernel (its
-        io_uring, for one, is the sentry's own); the sentry runs under gVisor's own host filter."""
-        args = ["--platform=ptrace", "--network=none"]
-        if cgroups.cgroup_mode() != "v2":
-            args.append("--ignore-cgroups")
-        return args
+        """The platform on every call (ptrace works without KVM). shoal's seccomp profile is not applied
+        inside the sentry (--oci-seccomp broke a local HTTP server in the suite): what it denies is
+        host-kernel surface, and a gVisor sandbox's syscalls never reach the host kernel (its io_uring,
+        for one, is the sentry's own); the sentry runs under gVisor's own host filter."""
+        return ["--platform=ptrace", "--network=none"]
 
     async def run_detached(self, bundle: Path, cid: str, listen_fd: int | None,
                            pid_file: Path | None = None,
@@ -296,7 +321,7 @@ def _netns_path(bundle: Path) -> str | None:
 
 
 #: what a probe checks; a cached result of an older probe is not trusted (probed again)
-_PROBE_VERSION = 2
+_PROBE_VERSION = 3  # 3: gVisor without --ignore-cgroups (issue 23)
 
 
 def _probe_key() -> str:
@@ -395,7 +420,8 @@ def _probe_sandbox(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
         gf = GuestFiles(paths, agent_bin, root=Path(tmp) / "guest", tmpfs=False)
         gf.ensure()
         cfg = build_config(rootfs=str(bundle / "rootfs"), hostname="probe", env={"PATH": "/"}, cwd="/",
-                           cgroups_path=f"{cg_parent}/{rt.name}", cpus=1, memory_mb=64, pids=16,
+                           cgroups_path=f"{cg_parent}/{rt.name}", cpus=1, memory_mb=64 + rt.memory_overhead_mb,
+                           pids=rt.host_pids(16),
                            proc_binds=rt.proc_binds, **gf.config_args(64))
         cfg["process"]["args"] = ["/.shoal/shoal-agent", "--version"]
         (bundle / "config.json").write_text(render_config(cfg))
@@ -428,7 +454,8 @@ def _probe_plain(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
         guest.mkdir()
         shutil.copy2(agent_bin, guest / "shoal-agent")
         cfg = build_config(rootfs=str(rootfs), guest_dir=str(guest), hostname="probe", env={"PATH": "/"},
-                           cwd="/", cgroups_path=f"{cg_parent}/{rt.name}", cpus=1, memory_mb=64, pids=16)
+                           cwd="/", cgroups_path=f"{cg_parent}/{rt.name}", cpus=1,
+                           memory_mb=64 + rt.memory_overhead_mb, pids=rt.host_pids(16))
         cfg["process"]["args"] = ["/.shoal/shoal-agent", "--version"]
         (bundle / "config.json").write_text(json.dumps(cfg))
         r = run_sync([rt.binary, *rt.global_args, "run", "--bundle", str(bundle), cid], timeout=60)

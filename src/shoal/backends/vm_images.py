@@ -19,7 +19,6 @@ package (`linux-image-amd64`), `busybox-static`, the shoal agent (`make agent`) 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import lzma
@@ -30,13 +29,13 @@ import stat
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.config import Paths, settings
 from shoal.errors import BackendUnavailable, ImageBuildError, InvalidRequest
-from shoal.fsutil import sha256_file
+from shoal.fsutil import flocked, sha256_file
 
 BUILDER_VERSION = "1"
 #: kernel modules the microVM initramfs loads, in this order (dependencies are added before each);
@@ -54,17 +53,6 @@ def guest_src_dir() -> Path:
         raise BackendUnavailable(f"the VM guest sources are missing ({d}/init): run shoal from its repository "
                                  "or set SHOAL_GUEST_SRC to its guest/ directory")
     return d
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _hash(*parts: object) -> str:
@@ -287,7 +275,7 @@ def ensure_guest(paths: Paths, agent: Path, log: Callable[[str], None] | None = 
     if meta.exists():
         m = json.loads(meta.read_text())
         return GuestArtifacts(out / "vmlinux", out / "initramfs.cpio", m["kernel_version"], key, m["modules"])
-    with _flock(paths.locks / "vm-guest.lock"):
+    with flocked(paths.locks / "vm-guest.lock"):
         if meta.exists():
             return ensure_guest(paths, agent, log)
         t0 = time.monotonic()
@@ -461,7 +449,7 @@ def ensure_vm_disk(paths: Paths, image: object, layer_mounts: object, agent: Pat
     mkfs = shutil.which("mkfs.ext4")
     if not mkfs:
         raise BackendUnavailable("mkfs.ext4 is missing: apt-get install e2fsprogs")
-    with _flock(paths.locks / f"vm-disk-{key}.lock"):
+    with flocked(paths.locks / f"vm-disk-{key}.lock"):
         if meta.exists():
             return ensure_vm_disk(paths, image, layer_mounts, agent, log)
         say = log or (lambda s: None)

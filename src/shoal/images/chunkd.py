@@ -19,7 +19,6 @@ running sandboxes still served; the node stops it when no layer of the home is i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -29,12 +28,12 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shoal.errors import BackendUnavailable, ShoalError
-from shoal.fsutil import atomic_write
+from shoal.fsutil import atomic_write, flocked
 from shoal.host import syscalls
 from shoal.images.chunking import ChunkTable
 
@@ -175,27 +174,13 @@ class ChunkDaemon:
         except (OSError, ShoalError):
             return False
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _lock(self) -> contextlib.AbstractContextManager[int]:
+        return flocked(self.dir / "lock")
 
-    @contextlib.contextmanager
-    def using(self, exclusive: bool = False) -> Iterator[None]:
+    def using(self, exclusive: bool = False) -> contextlib.AbstractContextManager[int]:
         """Held (shared) while a layer is being put to use, so that a process that stops an unused reader
         (exclusive) never does it under a mount in progress in another process of the same home."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "use.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
-        finally:
-            os.close(fd)
+        return flocked(self.dir / "use.lock", shared=not exclusive)
 
     def ensure(self) -> None:
         """Start the daemon unless it runs; BackendUnavailable when it cannot start."""

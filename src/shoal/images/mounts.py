@@ -41,13 +41,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shoal.config import Paths, settings
 from shoal.errors import ImageCorrupt, ImageNotFound, InvalidRequest, StoreUnavailable
-from shoal.fsutil import atomic_write
+from shoal.fsutil import atomic_write, flocked
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
 from shoal.images import corruption, leases, prefetch
@@ -115,14 +115,8 @@ class LayerMounts:
         """Where a layer is (or would be) mounted."""
         return self.root / layer_hex
 
-    @contextlib.contextmanager
-    def _locked(self, layer_hex: str) -> Iterator[None]:
-        fd = os.open(self.locks / f"layer-{layer_hex}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _locked(self, layer_hex: str) -> contextlib.AbstractContextManager[int]:
+        return flocked(self.locks / f"layer-{layer_hex}.lock")
 
     def acquire(self, layers: list[Layer], user: str) -> list[Path]:
         """Make sure every layer is mounted and record `user` as one of its users."""

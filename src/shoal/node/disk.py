@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 
 from shoal.config import Paths, settings
+from shoal.fsutil import flocked
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
 
@@ -67,29 +68,24 @@ class UpperPool:
         #: admission against the pool and pressure relief (shoal.node.disk_guard)
         self.guard = DiskGuard(self, s.disk_overcommit, s.disk_reserve_mb)
 
-    def _lock(self) -> int:
-        self.paths.locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.paths.locks / "upper-pool.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
+    def _lock(self) -> contextlib.AbstractContextManager[int]:
+        return flocked(self.paths.locks / "upper-pool.lock")
 
     def ensure(self) -> bool:
         """Mount the pool if needed; True when disk limits are enforced."""
         if self.enforced is False or (self.enforced and self._fd is not None):
             return bool(self.enforced)
-        lock = self._lock()
-        try:
-            self.mountpoint.mkdir(parents=True, exist_ok=True)
-            if not syscalls.is_mountpoint(str(self.mountpoint)):
-                self._mount()
-            self._fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            self.enforced = True
-        except (OSError, RuntimeError) as e:
-            self.enforced = False
-            self.reason = f"disk limits not enforced: {e}"
-            log.warning(self.reason)
-        finally:
-            os.close(lock)
+        with self._lock():
+            try:
+                self.mountpoint.mkdir(parents=True, exist_ok=True)
+                if not syscalls.is_mountpoint(str(self.mountpoint)):
+                    self._mount()
+                self._fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                self.enforced = True
+            except (OSError, RuntimeError) as e:
+                self.enforced = False
+                self.reason = f"disk limits not enforced: {e}"
+                log.warning(self.reason)
         return bool(self.enforced)
 
     def close(self) -> None:
@@ -294,8 +290,7 @@ class UpperPool:
         with contextlib.suppress(OSError):
             GuestFiles(self.paths, Path()).teardown()
         self.close()
-        lock = self._lock()
-        try:
+        with self._lock():
             if not syscalls.is_mountpoint(str(self.mountpoint)):
                 return False
             if any(p.is_dir() for p in self.mountpoint.iterdir()):
@@ -308,5 +303,3 @@ class UpperPool:
                 # an fd another pool object in this process still holds; the empty pool detaches safely
                 syscalls.umount(str(self.mountpoint), detach=True)
             return True
-        finally:
-            os.close(lock)

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,13 +111,8 @@ class DiskGuard:
             return self.reserve_mb << 20
         return max(MIN_RESERVE, int(capacity * RESERVE_FRACTION))
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        fd = self.pool._lock()
-        try:
-            yield
-        finally:
-            os.close(fd)
+    def _locked(self) -> contextlib.AbstractContextManager[int]:
+        return self.pool._lock()
 
     @staticmethod
     def _read(path: Path) -> dict[str, int]:

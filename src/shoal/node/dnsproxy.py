@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
 import ipaddress
 import json
 import logging
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.egress import NEVER, EgressPolicy, merge_ranges, read_blocked, subtract_ranges
+from shoal.fsutil import flocked
 
 log = logging.getLogger("shoal.dnsproxy")
 
@@ -356,10 +356,7 @@ async def serve(leases: Path, listen: tuple[str, int] = LISTEN, idle_exit_s: flo
 def ensure_running(leases: Path) -> None:
     """Start the host's proxy unless one runs (a pid file under a lock beside the leases)."""
     run = leases.parent
-    run.mkdir(parents=True, exist_ok=True)
-    lock = os.open(run / "dns-proxy.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with flocked(run / "dns-proxy.lock"):
         pid_file = run / "dns-proxy.pid"
         with contextlib.suppress(OSError, ValueError):
             pid = int(pid_file.read_text())
@@ -380,8 +377,6 @@ def ensure_running(leases: Path) -> None:
             if p.poll() is not None:
                 raise OSError(f"the DNS proxy exited at once (exit {p.returncode}); see {run / 'dns-proxy.log'}")
             time.sleep(0.05)
-    finally:
-        os.close(lock)
 
 
 def _is_proxy(pid: int) -> bool:

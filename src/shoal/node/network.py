@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import ipaddress
 import json
 import logging
 import os
 import re
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from shoal.config import Paths, settings
 from shoal.egress import NEVER, Box, EgressPolicy, box, box_text, disjoint, read_blocked
 from shoal.errors import BackendUnavailable, CapacityExceeded, SandboxError
+from shoal.fsutil import flocked
 from shoal.host.spawn import run, run_sync
 from shoal.node.records import SandboxRecord
 
@@ -243,16 +242,9 @@ class NetworkManager:
                     return f"{parts[1]}:53"
         return "127.0.0.53:53"
 
-    @contextlib.contextmanager
-    def _host_lock(self) -> Iterator[None]:
+    def _host_lock(self) -> contextlib.AbstractContextManager[int]:
         # node agents of every SHOAL_HOME on this host set up the same bridge and tables
-        self.leases.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.leases.parent / "net.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return flocked(self.leases.parent / "net.lock")
 
     def ensure_bridge(self) -> None:
         """Create the bridge, enable forwarding, install or upgrade the nftables tables (idempotent)."""

@@ -23,17 +23,17 @@ made once no live node process uses it. A node never turns swap off by itself: s
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from shoal.errors import BackendUnavailable, InvalidRequest, ShoalError
+from shoal.fsutil import flocked
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +89,9 @@ class SwapDecision:
         return asdict(self)
 
 
-@contextlib.contextmanager
-def _setup_lock() -> Iterator[None]:
+def _setup_lock() -> contextlib.AbstractContextManager[int]:
     # two node processes starting at once on a host without swap must make one device, not two
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    fd = os.open(STATE_DIR / "swap.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return flocked(STATE_DIR / "swap.lock")
 
 
 def ensure(setting: str | None, *, setup: Callable[..., Any] | None = None) -> SwapDecision:

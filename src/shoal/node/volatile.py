@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from shoal.config import Paths, settings
+from shoal.fsutil import flocked
 from shoal.host import syscalls
 
 log = logging.getLogger(__name__)
@@ -45,16 +44,6 @@ class VolatileDirs:
         self.enabled = settings().sandbox_tmpfs
         self._ready = False
 
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.paths.locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.paths.locks / "volatile.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
     def ensure(self) -> bool:
         """Mount the tmpfs if needed. True when sandbox directories can go there (cheap after the first call)."""
         if self._ready and syscalls.mount_root(str(self.root)) is not False:
@@ -62,7 +51,7 @@ class VolatileDirs:
         self._ready = False
         if not self.enabled:
             return False
-        with self._lock():
+        with flocked(self.paths.locks / "volatile.lock"):
             self.root.mkdir(parents=True, exist_ok=True)
             if not syscalls.is_mountpoint(str(self.root)):
                 with os.scandir(self.root) as it:
@@ -100,7 +89,7 @@ class VolatileDirs:
     def teardown(self) -> bool:
         """Unmount the tmpfs if no sandbox directory is left in it. True if unmounted."""
         self._ready = False
-        with self._lock():
+        with flocked(self.paths.locks / "volatile.lock"):
             if not self.root.is_dir() or not syscalls.is_mountpoint(str(self.root)):
                 return False
             if self.sandboxes.is_dir():

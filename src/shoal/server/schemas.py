@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S
+from shoal.models import SandboxInfo
 from shoal.spec import (
     NEW_IMAGE_RE,
     PROJECT_RE,
@@ -191,20 +192,8 @@ class ErrorOut(BaseModel):
     error: ErrorBody
 
 
-class SandboxOut(BaseModel):
-    """A sandbox."""
-
-    id: str
-    image: str
-    backend: str
-    state: str
-    created_at: float
-    spec: dict[str, Any] = Field(default_factory=dict)
-    runtime: str = ""
-    expires_at: float | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    node: str = ""
-    extra: dict[str, Any] = Field(default_factory=dict)
+#: a sandbox over HTTP is the SDK's SandboxInfo, field for field (one model: shoal.models)
+SandboxOut = SandboxInfo
 
 
 class SandboxList(BaseModel):

@@ -10,7 +10,6 @@ runs; the server sees the change at its next request.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.errors import InvalidRequest, ShoalError
-from shoal.fsutil import atomic_write
+from shoal.fsutil import atomic_write, flocked
 
 PROJECT_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 TOKEN_RE = re.compile(r"^shoal_([a-z2-7]{10})_([A-Za-z0-9_-]{43})$")
@@ -230,16 +229,12 @@ class TokenStore:
     def _locked(self) -> Iterator[dict[str, Any]]:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        fd = os.open(self.dir / "tokens.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with flocked(self.dir / "tokens.lock"):
             self._cache = None
             data = self._read()
             yield data
             atomic_write(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), mode=0o600)
             self._cache = None
-        finally:
-            os.close(fd)
 
     def create(self, project: str, *, admin: bool = False, name: str = "", quota: Quota | None = None) -> str:
         """Make a token for `project` (setting the project's quota when given); returns the plain token."""

@@ -160,10 +160,12 @@ def _med(xs: list[float]) -> float | None:
 async def _prepare(ctx: BenchContext, work: Path, reg: Any, p: PullParams, nonce: str) -> tuple[str, list[str],
                                                                                                 dict[str, Any]]:
     """Build the big image and the small ones in a scratch store and push them; their references."""
+    from shoal.config import Paths
     from shoal.images.export import push_image
     from shoal.images.store import ImageStore
 
     src = ImageStore(work / "src")
+    paths = Paths.from_env(ctx.home, src.root)  # the run's own home: its layer reader for the scratch store
     base = await asyncio.to_thread(src.copy_image_from, ctx.node.store, f"{ctx.image}:latest"
                                    if ":" not in ctx.image else ctx.image, "bench-src/base:1")
     used: set[str] = set()
@@ -179,7 +181,7 @@ async def _prepare(ctx: BenchContext, work: Path, reg: Any, p: PullParams, nonce
     big_ref = f"{reg.host}/bench/big:{nonce}"
     info = {"big_layers": len(big.layers), "big_mib_uncompressed": round(big.size / 2**20, 1)}
     with ctx.task("pull: pushing the images to the loopback registry", 1 + p.images) as adv:
-        rep = await asyncio.to_thread(push_image, src, "bench-src/big:1", big_ref, work_dir=work)
+        rep = await asyncio.to_thread(push_image, src, "bench-src/big:1", big_ref, work_dir=work, paths=paths)
         info["big_mib_compressed"] = round(rep.bytes / 2**20, 1)
         adv()
         smalls = []
@@ -190,7 +192,7 @@ async def _prepare(ctx: BenchContext, work: Path, reg: Any, p: PullParams, nonce
             await asyncio.to_thread(src.put_image, f"bench-src/task-{i}:1", [*layers[:len(base.layers)], lay.digest],
                                     base.config)
             ref = f"{reg.host}/bench/task-{i}:{nonce}"
-            await asyncio.to_thread(push_image, src, f"bench-src/task-{i}:1", ref, work_dir=work)
+            await asyncio.to_thread(push_image, src, f"bench-src/task-{i}:1", ref, work_dir=work, paths=paths)
             smalls.append(ref)
             adv()
     return big_ref, smalls, info

@@ -120,8 +120,11 @@ def resolve_template(st: ServerState, who: Principal, template: str) -> str:
     from shoal.images.pull import check_available
 
     with contextlib.suppress(ImageNotFound, ValueError):
-        check_available(st.node.store, template)  # a registry reference (Docker's form) the create will pull
-        return template
+        # a registry reference (Docker's form) the create will pull — seen through the project's eyes like
+        # any other name: a digest the project may not see stays not found (tests/security/test_image_visibility.py)
+        ref = ns.for_read(st, template)
+        check_available(st.node.store, ref)
+        return ref
     raise ImageNotFound(f"template {template!r} is neither a shoal image nor an alias: build or import an image "
                         f"of that name (`shoal image ls`), or map it with SHOAL_E2B_TEMPLATES={template}=IMAGE")
 

@@ -15,7 +15,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
 from shoal.errors import (
@@ -29,12 +29,14 @@ from shoal.errors import (
 from shoal.models import SandboxInfo
 from shoal.node.records import SandboxRecord
 from shoal.server.compat import common, e2b_list
+from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
 from shoal.spec import SandboxSpec
 
 log = logging.getLogger("shoal.server")
-router = APIRouter(include_in_schema=False)
+#: every endpoint answers an error as from_shoal() shapes it (shoal.server.compat.routes)
+router = compat_router(lambda e: from_shoal(e), include_in_schema=False)
 
 DEFAULT_TIMEOUT_S = 300  # the SDKs' own default when the caller gives none
 MAX_TIMEOUT_S = 30 * 86400
@@ -211,10 +213,7 @@ def prune(st: ServerState) -> None:
 @router.post("/v2/sandboxes")
 async def create_sandbox(request: Request) -> Response:
     """Create a sandbox from a template (E2B `Sandbox.create`)."""
-    try:
-        return await _create(request)
-    except Exception as e:
-        return from_shoal(e)
+    return await _create(request)
 
 
 def _listed(st: ServerState, who: Principal) -> list[dict[str, Any]]:
@@ -234,102 +233,84 @@ def _listed(st: ServerState, who: Principal) -> list[dict[str, Any]]:
 async def list_sandboxes(request: Request) -> Response:
     """A page of the caller's sandboxes (E2B `Sandbox.list`): `limit`, `nextToken` → `X-Next-Token`, `order`,
     filters `state`, `metadata`, `startedAfter`, `template` (shoal.server.compat.e2b_list)."""
-    try:
-        st, who = _caller(request)
-        q = e2b_list.parse_query(request.query_params)
-        items, token, running = e2b_list.page(_listed(st, who), q)
-        headers = {}
-        if token is not None:
-            headers["X-Next-Token"] = token
-        if running is not None:
-            headers["X-Total-Running"] = str(running)
-        return JSONResponse(items, headers=headers)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    q = e2b_list.parse_query(request.query_params)
+    items, token, running = e2b_list.page(_listed(st, who), q)
+    headers = {}
+    if token is not None:
+        headers["X-Next-Token"] = token
+    if running is not None:
+        headers["X-Total-Running"] = str(running)
+    return JSONResponse(items, headers=headers)
 
 
 @router.get("/sandboxes")
 async def list_sandboxes_v1(request: Request) -> Response:
     """The caller's running sandboxes, newest first, filtered by `metadata` (E2B's legacy list: no pages)."""
-    try:
-        st, who = _caller(request)
-        raw = request.query_params.get("metadata")
-        q = e2b_list.ListQuery(states=("running",), metadata=e2b_list.parse_metadata(raw) if raw else ())
-        items = [d for d in _listed(st, who) if e2b_list.matches(d, q)]
-        e2b_list.sort_listed(items, ascending=False)
-        return JSONResponse(items)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    raw = request.query_params.get("metadata")
+    q = e2b_list.ListQuery(states=("running",), metadata=e2b_list.parse_metadata(raw) if raw else ())
+    items = [d for d in _listed(st, who) if e2b_list.matches(d, q)]
+    e2b_list.sort_listed(items, ascending=False)
+    return JSONResponse(items)
 
 
 @router.get("/sandboxes/metrics")
 async def sandboxes_metrics(request: Request) -> Response:
     """The latest metrics of each of `sandbox_ids` (comma-separated, at most 100) the caller may see."""
-    try:
-        from shoal.server.compat import e2b_metrics
+    from shoal.server.compat import e2b_metrics
 
-        st, who = _caller(request)
-        raw = request.query_params.get("sandbox_ids") or ""
-        ids = list(dict.fromkeys(x.strip() for x in raw.split(",") if x.strip()))
-        if not ids:
-            raise InvalidRequest("sandbox_ids is required: comma-separated sandbox IDs")
-        if len(ids) > 100:
-            raise InvalidRequest("at most 100 sandbox_ids per request")
-        out = {}
-        for sid in ids:
-            with contextlib.suppress(SandboxNotFound):
-                rec = common.sandbox_of(st, who, sid)
-                latest = e2b_metrics.recorder(st).latest(rec)
-                if latest is not None:
-                    out[sid] = latest
-        return JSONResponse({"sandboxes": out})
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    raw = request.query_params.get("sandbox_ids") or ""
+    ids = list(dict.fromkeys(x.strip() for x in raw.split(",") if x.strip()))
+    if not ids:
+        raise InvalidRequest("sandbox_ids is required: comma-separated sandbox IDs")
+    if len(ids) > 100:
+        raise InvalidRequest("at most 100 sandbox_ids per request")
+    out = {}
+    for sid in ids:
+        with contextlib.suppress(SandboxNotFound):
+            rec = common.sandbox_of(st, who, sid)
+            latest = e2b_metrics.recorder(st).latest(rec)
+            if latest is not None:
+                out[sid] = latest
+    return JSONResponse({"sandboxes": out})
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
 async def sandbox_metrics(sandbox_id: str, request: Request) -> Response:
     """A sandbox's CPU, memory and disk series between `start` and `end` (unix seconds; default: its whole
     life) — E2B `Sandbox.get_metrics`."""
-    try:
-        from shoal.server.compat import e2b_metrics
+    from shoal.server.compat import e2b_metrics
 
-        st, who = _caller(request)
-        start = e2b_metrics.parse_time(request.query_params.get("start"), "start")
-        end = e2b_metrics.parse_time(request.query_params.get("end"), "end")
-        rec = common.sandbox_of(st, who, sandbox_id)
-        return JSONResponse(e2b_metrics.recorder(st).query(rec, start, end))
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    start = e2b_metrics.parse_time(request.query_params.get("start"), "start")
+    end = e2b_metrics.parse_time(request.query_params.get("end"), "end")
+    rec = common.sandbox_of(st, who, sandbox_id)
+    return JSONResponse(e2b_metrics.recorder(st).query(rec, start, end))
 
 
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(sandbox_id: str, request: Request) -> Response:
     """One sandbox (E2B `Sandbox.get_info`)."""
-    try:
-        st, who = _caller(request)
-        rec = common.sandbox_of(st, who, sandbox_id)
-        d = detail(st, rec)
-        if st.auth_required():
-            d["envdAccessToken"] = common.access_token(st, who, rec.id)
-        return JSONResponse(d)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    rec = common.sandbox_of(st, who, sandbox_id)
+    d = detail(st, rec)
+    if st.auth_required():
+        d["envdAccessToken"] = common.access_token(st, who, rec.id)
+    return JSONResponse(d)
 
 
 @router.delete("/sandboxes/{sandbox_id}")
 async def kill_sandbox(sandbox_id: str, request: Request) -> Response:
     """Destroy a sandbox (E2B `Sandbox.kill`; 404 when it does not exist)."""
-    try:
-        st, who = _caller(request)
-        common.sandbox_of(st, who, sandbox_id)
-        async with common.slot(st, who):
-            await forget_sandbox(st, sandbox_id)
-            await st.node.close(sandbox_id)
-        st.quotas.forget(sandbox_id)
-        return Response(status_code=204)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    common.sandbox_of(st, who, sandbox_id)
+    async with common.slot(st, who):
+        await forget_sandbox(st, sandbox_id)
+        await st.node.close(sandbox_id)
+    st.quotas.forget(sandbox_id)
+    return Response(status_code=204)
 
 
 async def forget_sandbox(st: ServerState, sandbox_id: str) -> None:
@@ -359,47 +340,38 @@ async def set_ttl(st: ServerState, sandbox_id: str, seconds: float, *, only_exte
 @router.post("/sandboxes/{sandbox_id}/timeout")
 async def set_timeout(sandbox_id: str, request: Request) -> Response:
     """Reset the sandbox's time to live to `timeout` seconds from now (E2B `Sandbox.set_timeout`)."""
-    try:
-        st, who = _caller(request)
-        body = await _json_body(request)
-        seconds = _timeout(body.get("timeout"))
-        common.sandbox_of(st, who, sandbox_id)
-        await set_ttl(st, sandbox_id, seconds)
-        return Response(status_code=204)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    body = await _json_body(request)
+    seconds = _timeout(body.get("timeout"))
+    common.sandbox_of(st, who, sandbox_id)
+    await set_ttl(st, sandbox_id, seconds)
+    return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/refreshes")
 async def refresh(sandbox_id: str, request: Request) -> Response:
     """Keep the sandbox alive `duration` seconds more (never shortens it)."""
-    try:
-        st, who = _caller(request)
-        body = await _json_body(request)
-        seconds = _timeout(body.get("duration", 60), "duration")
-        common.sandbox_of(st, who, sandbox_id)
-        await set_ttl(st, sandbox_id, seconds, only_extend=True)
-        return Response(status_code=204)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    body = await _json_body(request)
+    seconds = _timeout(body.get("duration", 60), "duration")
+    common.sandbox_of(st, who, sandbox_id)
+    await set_ttl(st, sandbox_id, seconds, only_extend=True)
+    return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/pause")
 async def pause(sandbox_id: str, request: Request) -> Response:
     """Freeze the sandbox (shoal's pause: processes stop, memory is reclaimed); 409 when already paused."""
-    try:
-        st, who = _caller(request)
-        body = await _json_body(request)
-        rec = common.sandbox_of(st, who, sandbox_id)
-        if rec.state == "paused":
-            return e2b_error(409, f"sandbox {sandbox_id} is already paused")
-        if body.get("memory") is False:
-            raise NotImplementedYet("filesystem-only pause is not supported: shoal pauses keep the processes")
-        async with common.slot(st, who):
-            await st.node.pause(sandbox_id)
-        return Response(status_code=204)
-    except Exception as e:
-        return from_shoal(e)
+    st, who = _caller(request)
+    body = await _json_body(request)
+    rec = common.sandbox_of(st, who, sandbox_id)
+    if rec.state == "paused":
+        return e2b_error(409, f"sandbox {sandbox_id} is already paused")
+    if body.get("memory") is False:
+        raise NotImplementedYet("filesystem-only pause is not supported: shoal pauses keep the processes")
+    async with common.slot(st, who):
+        await st.node.pause(sandbox_id)
+    return Response(status_code=204)
 
 
 async def _connect(sandbox_id: str, request: Request) -> Response:
@@ -426,10 +398,7 @@ async def _connect(sandbox_id: str, request: Request) -> Response:
 @router.post("/sandboxes/{sandbox_id}/resume")
 async def connect(sandbox_id: str, request: Request) -> Response:
     """Resume a paused sandbox (or just reach a running one) and hand out its envd access (E2B `connect`)."""
-    try:
-        return await _connect(sandbox_id, request)
-    except Exception as e:
-        return from_shoal(e)
+    return await _connect(sandbox_id, request)
 
 
 @router.post("/sandboxes/{sandbox_id}/fork")
@@ -477,8 +446,6 @@ async def fork(sandbox_id: str, request: Request) -> Response:
         return JSONResponse(out, status_code=201)
     except TypeError as e:
         return e2b_error(400, f"bad fork options: {e}")
-    except Exception as e:
-        return from_shoal(e)
 
 
 _UNSUPPORTED = {

@@ -24,7 +24,7 @@ import stat as statmod
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
@@ -40,12 +40,14 @@ from shoal.server.compat.connect import (
     unary,
 )
 from shoal.server.compat.e2b_procs import table
+from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
 
 log = logging.getLogger("shoal.server")
 PREFIX = "/_e2b/envd"
-router = APIRouter(prefix=PREFIX, include_in_schema=False)
+#: every endpoint answers an error as _http_error() shapes it (shoal.server.compat.routes)
+router = compat_router(lambda e: _http_error(e), prefix=PREFIX, include_in_schema=False)
 #: the scope key the router fills with the sandbox a request is for
 SCOPE_SANDBOX = "shoal.e2b.sandbox"
 
@@ -469,14 +471,11 @@ def _http_error(e: BaseException) -> Response:
 @router.get("/health")
 async def health(request: Request) -> Response:
     """204 while the sandbox runs; 502 'was not found' once it is gone (what the SDK's is_running reads)."""
-    try:
-        st, _who, sid = _target(request)
-        rec = st.node.record(sid)
-        if rec.state not in ("running", "paused"):
-            raise SandboxNotFound(f"The sandbox {sid} was not found")
-        return Response(status_code=204)
-    except Exception as e:
-        return _http_error(e)
+    st, _who, sid = _target(request)
+    rec = st.node.record(sid)
+    if rec.state not in ("running", "paused"):
+        raise SandboxNotFound(f"The sandbox {sid} was not found")
+    return Response(status_code=204)
 
 
 @router.get("/files")
@@ -492,8 +491,6 @@ async def download(request: Request) -> Response:
                         headers={"Content-Disposition": f'attachment; filename="{name}"'})
     except SandboxFileError as e:
         return JSONResponse({"code": 400, "message": f"cannot read: {e.message}"}, status_code=400)
-    except Exception as e:
-        return _http_error(e)
 
 
 @router.post("/files")
@@ -530,8 +527,6 @@ async def upload(request: Request) -> Response:
         return JSONResponse(out)
     except SandboxFileError as e:
         return JSONResponse({"code": 400, "message": f"cannot write: {e.message}"}, status_code=400)
-    except Exception as e:
-        return _http_error(e)
 
 
 @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])

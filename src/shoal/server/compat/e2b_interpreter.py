@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.server.compat import common
 from shoal.server.compat.repl_driver import SOURCE
+from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shoal.server")
 PREFIX = "/_e2b/interpreter"
-router = APIRouter(prefix=PREFIX, include_in_schema=False)
+#: every endpoint answers an error as _error() shapes it (shoal.server.compat.routes)
+router = compat_router(lambda e: _error(e), prefix=PREFIX, include_in_schema=False)
 LANGUAGES = ("python", "python3")
 #: one result larger than this (a huge DataFrame's data, a giant image) is dropped with an error record
 MAX_RECORD_BYTES = 64 << 20
@@ -240,19 +242,16 @@ async def _body(request: Request) -> dict[str, Any]:
 @router.post("/execute")
 async def execute(request: Request) -> Response:
     """Run code in a context; the answer streams NDJSON records as the code runs."""
-    try:
-        st, _who, sid = _target(request)
-        body = await _body(request)
-        code = body.get("code")
-        if not isinstance(code, str):
-            raise InvalidRequest("code must be a string")
-        _language(body.get("language"))
-        env = body.get("env_vars") or {}
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise InvalidRequest("env_vars must map strings to strings")
-        ctx = contexts(st).get(sid, body.get("context_id"))
-    except Exception as e:
-        return _error(e)
+    st, _who, sid = _target(request)
+    body = await _body(request)
+    code = body.get("code")
+    if not isinstance(code, str):
+        raise InvalidRequest("code must be a string")
+    _language(body.get("language"))
+    env = body.get("env_vars") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise InvalidRequest("env_vars must map strings to strings")
+    ctx = contexts(st).get(sid, body.get("context_id"))
 
     async def lines() -> AsyncIterator[bytes]:
         async with ctx.lock:
@@ -302,62 +301,47 @@ def _line(obj: dict[str, Any]) -> bytes:
 @router.post("/contexts")
 async def create_context(request: Request) -> Response:
     """A new context (its own Python namespace)."""
-    try:
-        st, _who, sid = _target(request)
-        body = await _body(request)
-        _language(body.get("language"))
-        cwd = body.get("cwd") or ""
-        if not isinstance(cwd, str):
-            raise InvalidRequest("cwd must be a string")
-        return JSONResponse(contexts(st).create(sid, cwd).public())
-    except Exception as e:
-        return _error(e)
+    st, _who, sid = _target(request)
+    body = await _body(request)
+    _language(body.get("language"))
+    cwd = body.get("cwd") or ""
+    if not isinstance(cwd, str):
+        raise InvalidRequest("cwd must be a string")
+    return JSONResponse(contexts(st).create(sid, cwd).public())
 
 
 @router.get("/contexts")
 async def list_contexts(request: Request) -> Response:
     """The sandbox's contexts."""
-    try:
-        st, _who, sid = _target(request)
-        contexts(st).get(sid, None)
-        return JSONResponse([c.public() for c in contexts(st).of(sid)])
-    except Exception as e:
-        return _error(e)
+    st, _who, sid = _target(request)
+    contexts(st).get(sid, None)
+    return JSONResponse([c.public() for c in contexts(st).of(sid)])
 
 
 @router.delete("/contexts/{context_id}")
 async def remove_context(context_id: str, request: Request) -> Response:
     """End a context and its interpreter."""
-    try:
-        st, _who, sid = _target(request)
-        t = contexts(st)
-        await t.remove(t.get(sid, context_id))
-        return Response(status_code=204)
-    except Exception as e:
-        return _error(e)
+    st, _who, sid = _target(request)
+    t = contexts(st)
+    await t.remove(t.get(sid, context_id))
+    return Response(status_code=204)
 
 
 @router.post("/contexts/{context_id}/restart")
 async def restart_context(context_id: str, request: Request) -> Response:
     """Start the context's interpreter afresh (its variables are gone)."""
-    try:
-        st, _who, sid = _target(request)
-        ctx = contexts(st).get(sid, context_id)
-        async with ctx.lock:
-            await stop(ctx)
-        return Response(status_code=204)
-    except Exception as e:
-        return _error(e)
+    st, _who, sid = _target(request)
+    ctx = contexts(st).get(sid, context_id)
+    async with ctx.lock:
+        await stop(ctx)
+    return Response(status_code=204)
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
     """The interpreter answers (interpreters start on first use)."""
-    try:
-        _target(request)
-        return Response(status_code=204)
-    except Exception as e:
-        return _error(e)
+    _target(request)
+    return Response(status_code=204)
 
 
 @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])

@@ -10,12 +10,10 @@ has it (shoal.server.compat.common.resolve_template).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 from collections.abc import Callable
 from pathlib import Path
 
+from shoal.fsutil import flocked
 from shoal.images.base import BASE_PACKAGES, build_base
 from shoal.images.store import Image, ImageStore
 
@@ -54,14 +52,8 @@ def ensure_interpreter_image(store: ImageStore, ref: str = INTERPRETER_IMAGE, *,
     if img is not None:
         return img
     lock = Path(store.tmp_dir) / f".build-{ref.replace('/', '_').replace(':', '_')}.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another process may be building it: wait, then look again
+    with flocked(lock):  # another process may be building it: wait, then look again
         img = _current(store, ref)
         if img is None:
             img = build_interpreter_image(store, ref, log=log, work_dir=work_dir)
         return img
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)

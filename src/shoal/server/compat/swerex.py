@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,13 +41,15 @@ from shoal.errors import (
 )
 from shoal.limits import DEFAULT_MAX_OUTPUT_BYTES, output_limit
 from shoal.server.compat import common
+from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
 
 if TYPE_CHECKING:
     from shoal.server.tokens import Principal
 
 log = logging.getLogger("shoal.server")
-router = APIRouter(prefix="/swerex/{sandbox_id}", include_in_schema=False)
+#: every endpoint answers an error as _error() shapes it (shoal.server.compat.routes)
+router = compat_router(lambda e: _error(e), prefix="/swerex/{sandbox_id}", include_in_schema=False)
 #: what SWE-ReX reports as the matched expect string when a command ran to its end (its PS1)
 PS1 = "SHELLPS1PREFIX"
 EXC = "swerex.exceptions."
@@ -225,34 +227,29 @@ async def is_alive(sandbox_id: str, request: Request) -> Response:
         return JSONResponse({"is_alive": True, "message": ""})
     except Transfer as e:
         return JSONResponse({"detail": e.message}, status_code=404)
-    except Exception as e:
-        return _error(e)
 
 
 @router.post("/create_session")
 async def create_session(sandbox_id: str, request: Request) -> Response:
     """Open a bash session (a shoal persistent shell), sourcing `startup_source` files."""
-    try:
-        st, who = _caller(request, sandbox_id)
-        req = await _body(request, CreateSession)
-        if req.session_type != "bash":
-            raise Transfer("builtins.ValueError", f"unknown session type: {req.session_type!r} (only bash)")
-        table = _sessions(st)
-        prune(st)
-        key = (sandbox_id, req.session)
-        if key in table:
-            raise Transfer(EXC + "SessionExistsError", f"session {req.session} already exists")
-        async with common.slot(st, who):
-            shell = await st.node.shell_open(sandbox_id)
-            table[key] = sess = Session(req.session, shell)
-            out = ""
-            for path in req.startup_source:
-                r = await st.node.shell_run(sandbox_id, sess.shell_id, f"source {_quote(path)} 2>&1",
-                                            timeout=max(1.0, req.startup_timeout) + 30)
-                out += _text(r.stdout) + _text(r.stderr)
-        return JSONResponse({"output": out, "session_type": "bash"})
-    except Exception as e:
-        return _error(e)
+    st, who = _caller(request, sandbox_id)
+    req = await _body(request, CreateSession)
+    if req.session_type != "bash":
+        raise Transfer("builtins.ValueError", f"unknown session type: {req.session_type!r} (only bash)")
+    table = _sessions(st)
+    prune(st)
+    key = (sandbox_id, req.session)
+    if key in table:
+        raise Transfer(EXC + "SessionExistsError", f"session {req.session} already exists")
+    async with common.slot(st, who):
+        shell = await st.node.shell_open(sandbox_id)
+        table[key] = sess = Session(req.session, shell)
+        out = ""
+        for path in req.startup_source:
+            r = await st.node.shell_run(sandbox_id, sess.shell_id, f"source {_quote(path)} 2>&1",
+                                        timeout=max(1.0, req.startup_timeout) + 30)
+            out += _text(r.stdout) + _text(r.stderr)
+    return JSONResponse({"output": out, "session_type": "bash"})
 
 
 def _quote(s: str) -> str:
@@ -428,93 +425,79 @@ async def run_in_session(sandbox_id: str, request: Request) -> Response:
         return JSONResponse(out)
     except ShellNotFound as e:
         return _error(Transfer(EXC + "SessionDoesNotExistError", f"the session's shell is gone: {e.message}"))
-    except Exception as e:
-        return _error(e)
 
 
 @router.post("/close_session")
 async def close_session(sandbox_id: str, request: Request) -> Response:
     """Close a session and what still runs in it."""
-    try:
-        st, _who = _caller(request, sandbox_id)
-        req = await _body(request, CloseSession)
-        sess = _sessions(st).pop((sandbox_id, req.session), None)
-        if sess is None:
-            raise Transfer(EXC + "SessionDoesNotExistError", f"session {req.session!r} does not exist")
-        with contextlib.suppress(ShellNotFound):
-            await st.node.shell_close(sandbox_id, sess.shell_id)
-        return JSONResponse({"session_type": "bash"})
-    except Exception as e:
-        return _error(e)
+    st, _who = _caller(request, sandbox_id)
+    req = await _body(request, CloseSession)
+    sess = _sessions(st).pop((sandbox_id, req.session), None)
+    if sess is None:
+        raise Transfer(EXC + "SessionDoesNotExistError", f"session {req.session!r} does not exist")
+    with contextlib.suppress(ShellNotFound):
+        await st.node.shell_close(sandbox_id, sess.shell_id)
+    return JSONResponse({"session_type": "bash"})
 
 
 @router.post("/execute")
 async def execute(sandbox_id: str, request: Request) -> Response:
     """Run a command outside any session, like `subprocess.run`."""
-    try:
-        st, who = _caller(request, sandbox_id)
-        cmd = await _body(request, Command)
-        if isinstance(cmd.command, str):
-            argv = ["/bin/sh", "-c", cmd.command] if cmd.shell else [cmd.command]
-        else:
-            argv = list(cmd.command) if not cmd.shell else ["/bin/sh", "-c", " ".join(cmd.command)]
-        if not argv or not argv[0]:
-            raise Transfer("builtins.ValueError", "command is empty")
-        if cmd.merge_output_streams:
-            argv = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *argv]
-        cap = _cap(st, sandbox_id)
-        async with common.slot(st, who):
-            r = await st.node.exec(sandbox_id, argv, timeout=cmd.timeout, cwd=cmd.cwd, env=cmd.env, max_output=cap)
-        if r.timed_out:
-            raise Transfer(EXC + "CommandTimeoutError", f"Timeout ({cmd.timeout}s) exceeded while running command")
-        out: dict[str, Any] = {"stdout": _text(r.stdout), "stderr": _text(r.stderr), "exit_code": int(r.exit_code)}
-        # the agent keeps `cap` bytes of each stream: say which one was cut, in the text itself (what the client
-        # hands its caller) and in fields a raw HTTP caller can test
-        cut = [k for k, raw in (("stdout", r.stdout), ("stderr", r.stderr)) if r.truncated and len(raw) >= cap]
-        for k in cut:
-            out[k] += cut_notice(cap, k)
-        out["stdout_truncated"], out["stderr_truncated"] = "stdout" in cut, "stderr" in cut
-        if cmd.check and r.exit_code != 0:
-            msg = (f"Command {cmd.command!r} failed with exit code {r.exit_code}. "
-                   f"Stdout:\n{out['stdout']!r}\nStderr:\n{out['stderr']!r}")
-            if cmd.error_msg:
-                msg = f"{cmd.error_msg}: {msg}"
-            raise Transfer(EXC + "NonZeroExitCodeError", msg)
-        return JSONResponse(out)
-    except Exception as e:
-        return _error(e)
+    st, who = _caller(request, sandbox_id)
+    cmd = await _body(request, Command)
+    if isinstance(cmd.command, str):
+        argv = ["/bin/sh", "-c", cmd.command] if cmd.shell else [cmd.command]
+    else:
+        argv = list(cmd.command) if not cmd.shell else ["/bin/sh", "-c", " ".join(cmd.command)]
+    if not argv or not argv[0]:
+        raise Transfer("builtins.ValueError", "command is empty")
+    if cmd.merge_output_streams:
+        argv = ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *argv]
+    cap = _cap(st, sandbox_id)
+    async with common.slot(st, who):
+        r = await st.node.exec(sandbox_id, argv, timeout=cmd.timeout, cwd=cmd.cwd, env=cmd.env, max_output=cap)
+    if r.timed_out:
+        raise Transfer(EXC + "CommandTimeoutError", f"Timeout ({cmd.timeout}s) exceeded while running command")
+    out: dict[str, Any] = {"stdout": _text(r.stdout), "stderr": _text(r.stderr), "exit_code": int(r.exit_code)}
+    # the agent keeps `cap` bytes of each stream: say which one was cut, in the text itself (what the client
+    # hands its caller) and in fields a raw HTTP caller can test
+    cut = [k for k, raw in (("stdout", r.stdout), ("stderr", r.stderr)) if r.truncated and len(raw) >= cap]
+    for k in cut:
+        out[k] += cut_notice(cap, k)
+    out["stdout_truncated"], out["stderr_truncated"] = "stdout" in cut, "stderr" in cut
+    if cmd.check and r.exit_code != 0:
+        msg = (f"Command {cmd.command!r} failed with exit code {r.exit_code}. "
+               f"Stdout:\n{out['stdout']!r}\nStderr:\n{out['stderr']!r}")
+        if cmd.error_msg:
+            msg = f"{cmd.error_msg}: {msg}"
+        raise Transfer(EXC + "NonZeroExitCodeError", msg)
+    return JSONResponse(out)
 
 
 @router.post("/read_file")
 async def read_file(sandbox_id: str, request: Request) -> Response:
     """A file's text."""
+    st, who = _caller(request, sandbox_id)
+    req = await _body(request, ReadFile)
+    async with common.slot(st, who):
+        data = await st.node.read_file(sandbox_id, req.path)
     try:
-        st, who = _caller(request, sandbox_id)
-        req = await _body(request, ReadFile)
-        async with common.slot(st, who):
-            data = await st.node.read_file(sandbox_id, req.path)
-        try:
-            content = data.decode(req.encoding or "utf-8", req.errors or "strict")
-        except LookupError:
-            raise Transfer("builtins.LookupError", f"unknown encoding: {req.encoding}") from None
-        except UnicodeDecodeError as e:
-            raise Transfer("builtins.ValueError", f"{req.path} is not valid {req.encoding or 'utf-8'}: {e}") from None
-        return JSONResponse({"content": content})
-    except Exception as e:
-        return _error(e)
+        content = data.decode(req.encoding or "utf-8", req.errors or "strict")
+    except LookupError:
+        raise Transfer("builtins.LookupError", f"unknown encoding: {req.encoding}") from None
+    except UnicodeDecodeError as e:
+        raise Transfer("builtins.ValueError", f"{req.path} is not valid {req.encoding or 'utf-8'}: {e}") from None
+    return JSONResponse({"content": content})
 
 
 @router.post("/write_file")
 async def write_file(sandbox_id: str, request: Request) -> Response:
     """Write text to a file (parent directories are made)."""
-    try:
-        st, who = _caller(request, sandbox_id)
-        req = await _body(request, WriteFile)
-        async with common.slot(st, who):
-            await st.node.write_file(sandbox_id, req.path, req.content.encode())
-        return JSONResponse({})
-    except Exception as e:
-        return _error(e)
+    st, who = _caller(request, sandbox_id)
+    req = await _body(request, WriteFile)
+    async with common.slot(st, who):
+        await st.node.write_file(sandbox_id, req.path, req.content.encode())
+    return JSONResponse({})
 
 
 def _members(data: bytes, limit: int) -> list[tuple[str, bytes | None, int]]:
@@ -546,38 +529,35 @@ def _members(data: bytes, limit: int) -> list[tuple[str, bytes | None, int]]:
 @router.post("/upload")
 async def upload(sandbox_id: str, request: Request) -> Response:
     """A multipart upload (`file`, `target_path`, `unzip`): a file, or a zipped directory unpacked at the target."""
+    st, who = _caller(request, sandbox_id)
+    limit = st.settings.max_upload_bytes
+    form = await request.form(max_files=1, max_fields=10, max_part_size=limit)
     try:
-        st, who = _caller(request, sandbox_id)
-        limit = st.settings.max_upload_bytes
-        form = await request.form(max_files=1, max_fields=10, max_part_size=limit)
-        try:
-            part = form.get("file")
-            target = form.get("target_path")
-            unzip = str(form.get("unzip") or "false").lower() == "true"
-            if part is None or not hasattr(part, "read"):
-                raise Transfer("builtins.ValueError", "multipart field 'file' is missing")
-            if not isinstance(target, str) or not target:
-                raise Transfer("builtins.ValueError", "multipart field 'target_path' is missing")
-            data = await part.read()
-        finally:
-            await form.close()
-        async with common.slot(st, who):
-            if not unzip:
-                await st.node.write_file(sandbox_id, target, data)
-            else:
-                for rel, content, mode in _members(data, 4 * limit):
-                    path = posixpath.join(target, rel) if rel != "." else target
-                    if content is None:
-                        c = await st.node.client(sandbox_id)
-                        await c.mkdir(path if path.startswith("/") else _abs(st, sandbox_id, path), parents=True)
-                    else:
-                        await st.node.write_file(sandbox_id, path, content, mode)
-                if not _members_any(data):
+        part = form.get("file")
+        target = form.get("target_path")
+        unzip = str(form.get("unzip") or "false").lower() == "true"
+        if part is None or not hasattr(part, "read"):
+            raise Transfer("builtins.ValueError", "multipart field 'file' is missing")
+        if not isinstance(target, str) or not target:
+            raise Transfer("builtins.ValueError", "multipart field 'target_path' is missing")
+        data = await part.read()
+    finally:
+        await form.close()
+    async with common.slot(st, who):
+        if not unzip:
+            await st.node.write_file(sandbox_id, target, data)
+        else:
+            for rel, content, mode in _members(data, 4 * limit):
+                path = posixpath.join(target, rel) if rel != "." else target
+                if content is None:
                     c = await st.node.client(sandbox_id)
-                    await c.mkdir(_abs(st, sandbox_id, target), parents=True)
-        return JSONResponse({})
-    except Exception as e:
-        return _error(e)
+                    await c.mkdir(path if path.startswith("/") else _abs(st, sandbox_id, path), parents=True)
+                else:
+                    await st.node.write_file(sandbox_id, path, content, mode)
+            if not _members_any(data):
+                c = await st.node.client(sandbox_id)
+                await c.mkdir(_abs(st, sandbox_id, target), parents=True)
+    return JSONResponse({})
 
 
 def _members_any(data: bytes) -> bool:
@@ -595,12 +575,9 @@ def _abs(st: ServerState, sandbox_id: str, path: str) -> str:
 @router.post("/close")
 async def close(sandbox_id: str, request: Request) -> Response:
     """Close every session of the sandbox (the sandbox itself stays: close it with shoal's API)."""
-    try:
-        st, _who = _caller(request, sandbox_id)
-        await close_all(st, sandbox_id)
-        return JSONResponse({})
-    except Exception as e:
-        return _error(e)
+    st, _who = _caller(request, sandbox_id)
+    await close_all(st, sandbox_id)
+    return JSONResponse({})
 
 
 def prune(st: ServerState) -> None:
