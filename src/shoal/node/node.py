@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentbin import find_agent_binary
 from shoal.backends.base import Backend, Capability
 from shoal.backends.registry import create_backend
-from shoal.config import NodeConfig, settings
+from shoal.config import NodeConfig
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.fsutil import sha256_file
 from shoal.images import corruption
@@ -37,6 +37,7 @@ from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
 from shoal.node.context import NodeContext
 from shoal.node.dataplane import DataPlane
+from shoal.node.faults import configure as configure_faults
 from shoal.node.faults import crash_point
 from shoal.node.pool import WarmPool
 from shoal.node.records import SandboxRecord, check_sandbox_id, forget_record, list_records
@@ -65,6 +66,10 @@ class Node(DataPlane):
 
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()
+        configure_faults(self.config.settings.fault)
+        from shoal.backends.runtime import use_sealed
+
+        use_sealed(self.config.settings.sealed_runtime)
         self.paths = self.config.paths
         self.store = ImageStore(self.paths.store)
         self._image_shells: dict[str, str] = {}
@@ -94,7 +99,7 @@ class Node(DataPlane):
         from shoal.node.events import EventLog
 
         #: what happened to each sandbox, and the commands it ran ($SHOAL_HOME/events; shoal.node.events)
-        self.events = EventLog.from_settings(self.paths.home, self.config.node_id)
+        self.events = EventLog.from_settings(self.paths.home, self.config.node_id, self.config.settings)
         #: bytes the last pause reclaimed, per sandbox paused by this process (the dashboard's "reclaimed")
         self.reclaimed: dict[str, int] = {}
         #: what backends see of this node
@@ -221,7 +226,7 @@ class Node(DataPlane):
         if self._network is None:
             from shoal.node.network import NetworkManager
 
-            self._network = NetworkManager(self.paths, self.config.node_id)
+            self._network = NetworkManager(self.paths, self.config.node_id, self.config.settings)
         return self._network
 
     def check_egress(self, spec: SandboxSpec) -> None:
@@ -232,9 +237,10 @@ class Node(DataPlane):
             return
         from shoal.egress import check_network, check_policy, grants_for
 
-        policy = check_network(spec.network, settings().egress_sets)
+        s = self.config.settings
+        policy = check_network(spec.network, s.egress_sets)
         if policy is not None and policy.cidrs:
-            check_policy(policy, grants_for(spec.egress_grants, settings().egress_allow), self.network().blocked_nets(),
+            check_policy(policy, grants_for(spec.egress_grants, s.egress_allow), self.network().blocked_nets(),
                          who=f"project {spec.project!r}")
 
     def backend(self, name: str) -> Backend:

@@ -76,9 +76,7 @@ class NodeScheduling:
     """See the module docstring. One per Node (`node.scheduling`)."""
 
     def __init__(self, node: Node, s: Settings | None = None) -> None:
-        from shoal.config import settings
-
-        s = s or settings()
+        s = s or node.config.settings
         self.node = node
         cfg = node.config
         self.policy = Policy.from_settings(s, memory_overcommit=cfg.memory_overcommit,
