@@ -159,7 +159,7 @@ def _cpu_cgroup(pid: int) -> str:
 
 
 async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Client) -> None:
-    from shoal.node import cpuclass
+    from shoal.backends.container import cpuclass
 
     node = client.transport.node
     with pytest.raises(shoal.InvalidRequest, match="cpu_class='urgent'"):
@@ -202,15 +202,15 @@ async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Clien
 
 
 async def test_a_sandbox_swapping_past_its_limit_runs_as_batch_until_it_stops(client: shoal.Client) -> None:
-    """shoal.node.swapwatch: memory + swap past memory_mb + 16 MiB moves the sandbox to the batch class;
+    """shoal.backends.container.swapwatch: memory + swap past memory_mb + 16 MiB moves the sandbox to the batch class;
     back under it (here: the holder killed), it returns to its own class; page cache never counts."""
-    from shoal.node import cpuclass, swapwatch
-    from shoal.node.reclaim import sandbox_swap_mb
+    from shoal.backends.container import cpuclass, swapwatch
+    from shoal.backends.container.reclaim import sandbox_swap_mb
 
     node = client.transport.node
     if cgroups.cgroup_mode() == "v2" or not swapwatch.supported():
         pytest.skip("swap thresholds need the cgroup v1 memory controller with swap accounting")
-    if node.backend("container").swap_watch is None or not sandbox_swap_mb(64):
+    if node.backend("container").swap_watch is None or not sandbox_swap_mb(64, node.config.settings.sandbox_swap):
         pytest.skip("no swap for sandboxes on this host")
     sb = await client.create("base", memory_mb=64)
     assert node.backend("container").swap_watch.watching(sb.id)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.images.store import Image
     from shoal.node.context import NodeContext, SandboxHost
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 log = logging.getLogger("shoal.fncall")
 
@@ -100,6 +100,13 @@ class FncallConfig:
     #: default concurrency of run_code_many
     many_concurrency: int = 256
 
+    @classmethod
+    def from_settings(cls, s: Settings, **overrides: Any) -> FncallConfig:
+        """The config the fncall_* settings of `s` describe (keyword arguments win)."""
+        kw: dict[str, Any] = {"min_idle": s.fncall_min_idle, "max_size": s.fncall_max_size or _default_max_size(),
+                              "preload": DEFAULT_PRELOAD if s.fncall_preload is None else s.fncall_preload}
+        return cls(**{**kw, **overrides})
+
 
 def container_memory_mb(memory_mb: int) -> int:
     """Memory limit of the pooled containers serving calls limited to `memory_mb` (+ the worker, rounded)."""
@@ -139,13 +146,6 @@ def _check_caller_limits(memory_mb: int, cpus: float) -> None:
         raise QuotaExceeded(f"run_code cpus={cpus:g} is over project {project!r}'s quota of {max_cpus:g} CPUs "
                             "(max_cpus)", project=project, requested_cpus=cpus, max_cpus=max_cpus)
 
-
-    @classmethod
-    def from_settings(cls, s: Settings, **overrides: Any) -> FncallConfig:
-        """The config the fncall_* settings of `s` describe (keyword arguments win)."""
-        kw: dict[str, Any] = {"min_idle": s.fncall_min_idle, "max_size": s.fncall_max_size or _default_max_size(),
-                              "preload": DEFAULT_PRELOAD if s.fncall_preload is None else s.fncall_preload}
-        return cls(**{**kw, **overrides})
 
 
 class FncallManager:
@@ -207,7 +207,7 @@ class FncallManager:
 
     async def _sweep_orphans(self) -> None:
         """Close pooled containers left by processes that died without closing their pools."""
-        from shoal.node.records import list_records
+        from shoal.records import list_records
 
         try:
             recs = await asyncio.to_thread(list_records, self.node.paths.sandboxes)
