@@ -901,10 +901,32 @@ def _env_key() -> object:
     return [(k, v) for k, v in os.environ.items() if k.startswith(PREFIX)]
 
 
+#: the settings an edge resolved for this whole process (see use()); None: read the environment
+_pinned: Settings | None = None
+
+
+def use(s: Settings | None) -> Settings | None:
+    """Make `s` this process's settings: `settings()` returns it from now on, whatever the environment says
+    (an edge that resolved the settings from something other than os.environ — a cluster agent's arguments,
+    a bench run's store — injects them this way instead of writing os.environ). None goes back to reading
+    the environment. Returns the settings pinned before (to restore them)."""
+    global _pinned
+    prev, _pinned = _pinned, s
+    return prev
+
+
+def pinned() -> Settings | None:
+    """The settings an edge pinned with use() (None: settings() reads the environment)."""
+    return _pinned
+
+
 def settings() -> Settings:
     """This process's settings (defaults < file < environment), loaded on first use and again whenever the
-    SHOAL_* environment changes (tests set variables). Code given a Settings object uses that instead."""
+    SHOAL_* environment changes (tests set variables), or the ones an edge pinned with use(). Code given a
+    Settings object (a node's config, a backend's context) uses that instead."""
     global _cache
+    if _pinned is not None:
+        return _pinned
     key = _env_key()
     cached = _cache
     if cached is not None and cached[0] == key:

@@ -64,3 +64,63 @@ def test_node_config_is_derived_from_the_settings_it_is_given() -> None:
     # every NodeConfig field a setting feeds is named in the one table
     assert set(NODE_SETTINGS) <= {f for f in NodeConfig.__dataclass_fields__}
     assert set(NODE_SETTINGS.values()) <= set(Settings.specs())
+
+
+#: modules that do write os.environ, and why that configures no other shoal component
+ENVIRON_WRITERS = {
+    # runs inside a sandbox as the user's interpreter: its environment is the user code's (per call)
+    "backends/fncall_zygote.py": "in-sandbox zygote: the environment of the user's call",
+    # third-party libraries read these switches at import or in processes they start themselves
+    "integrations/minisweagent.py": "mini-swe-agent's own switch, read when it is imported",
+    "cluster/raylink.py": "Ray's documented loopback switch, read when ray is imported",
+    "cluster/local.py": "Ray's temp dir for the processes of a detached local cluster Ray starts",
+}
+_WRITE_METHODS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name) \
+        and node.value.id == "os"
+
+
+def _environ_writes(path: Path) -> list[int]:
+    """Lines that change this process's environment: os.environ[k] = / del / .update(…) / os.putenv …"""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        if any(isinstance(t, ast.Subscript) and _is_environ(t.value) for t in targets):
+            lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr in _WRITE_METHODS and _is_environ(f.value)) \
+                    or (f.attr in {"putenv", "unsetenv"} and isinstance(f.value, ast.Name) and f.value.id == "os"):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_component_is_configured_by_writing_os_environ() -> None:
+    offenders = []
+    for p in _py_files(SRC):
+        rel = str(p.relative_to(SRC))
+        if rel == "config.py" or rel in ENVIRON_WRITERS:
+            continue
+        offenders += [f"{rel}:{n}" for n in _environ_writes(p)]
+    assert not offenders, ("os.environ written: pass Settings (NodeConfig(settings=…), Settings.replace, "
+                           "config.use at an edge) or give a child process its own env instead:\n"
+                           + "\n".join(offenders))
+    # the exceptions still exist (an entry whose module stopped writing goes)
+    for rel in ENVIRON_WRITERS:
+        assert _environ_writes(SRC / rel), f"{rel} no longer writes os.environ: drop it from ENVIRON_WRITERS"
+
+
+def test_the_environ_scan_finds_each_kind_of_write(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nos.environ['A'] = '1'\nos.environ.setdefault('B', '2')\ndel os.environ['A']\n"
+                   "os.environ.update({})\nos.putenv('C', '3')\nx = os.environ.get('D')\n")
+    assert _environ_writes(bad) == [2, 3, 4, 5, 6]
