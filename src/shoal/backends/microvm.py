@@ -9,7 +9,7 @@ from shoal.backends.registry import make_vmm_backend
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
-    from shoal.node.context import NodeContext
+    from shoal.backends.context import NodeContext
 
 
 def make_microvm_backend(ctx: NodeContext, name: str = "microvm") -> Backend:

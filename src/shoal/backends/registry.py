@@ -17,8 +17,8 @@ from shoal.errors import BackendUnavailable, InvalidRequest
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
     from shoal.backends.container.runtime import OciRuntime
+    from shoal.backends.context import NodeContext
     from shoal.config import Settings
-    from shoal.node.context import NodeContext
 
 
 @dataclass(frozen=True)
