@@ -30,6 +30,8 @@ class BackendEntry:
     summary: str
     #: gives no isolation (tests only): a node refuses it unless its config enables it
     test_only: bool = False
+    #: the factory builds the class of the VM monitor `pick_vmm` chooses (one of VMMS), not one class of its own
+    on_vmm: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("container", "shoal.backends.container.backend:ContainerBackend",
                  "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
     BackendEntry("microvm", "shoal.backends.microvm:make_microvm_backend",
-                 "QEMU microvm (Firecracker when usable) booting shoal's guest kernel"),
+                 "QEMU microvm (Firecracker when usable) booting shoal's guest kernel", on_vmm=True),
     BackendEntry("vm", "shoal.backends.vm:QemuVmBackend", "a full QEMU q35 VM booting the image's own kernel"),
     BackendEntry("fncall", "shoal.backends.fncall:FncallBackend",
                  "short code runs on warm pools of containers (run_code; no sandboxes of its own)"),
