@@ -35,6 +35,7 @@ from typing import Any
 
 from shoal.backends.registry import RUNTIMES, VMMS
 from shoal.errors import InvalidRequest
+from shoal.limits import MAX_HTTP_BATCH
 
 PREFIX = "SHOAL_"
 #: read when SHOAL_CONFIG is not set (and only if it exists)
@@ -554,7 +555,8 @@ class Settings:
     api_max_inflight: int = setting(1024, "api", "requests (and streams) in progress per token", integer(1))
     api_max_queued: int = setting(4096, "api", "requests per token waiting for a slot; beyond: 429", integer(0))
     api_create_concurrency: int = setting(32, "api", "sandboxes the server creates at once (others queue)", integer(1))
-    api_max_batch: int = setting(4096, "api", "largest n of one batch create or fork", integer(1, 4096))
+    api_max_batch: int = setting(MAX_HTTP_BATCH, "api", "largest n of one batch create or fork",
+                                 integer(1, MAX_HTTP_BATCH))
     api_allowed_hosts: tuple[str, ...] = setting((), "api", "host names a server without tokens answers to besides "
                                                  "IP addresses and localhost (`*.example.lan` for every name under "
                                                  "it; guards against DNS rebinding)", NAMES_OR_EMPTY,

@@ -36,6 +36,7 @@ from shoal.config import Settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
@@ -214,7 +215,7 @@ class FirecrackerBackend(Backend):
         c.base_env = dict(rec.extra.get("env") or {})
         return c
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """A new connection through Firecracker's vsock (any number may be open)."""
         return await self._connect(rec, timeout)
 

@@ -29,6 +29,7 @@ from shoal.backends.fncall_languages import ALL_TOOLS, BASE_IMAGE, FNCALL_IMAGE,
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
 from shoal.config import Settings
 from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, QuotaExceeded, ShoalError
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.models import ExecResult, RunCodeResult
 from shoal.spec import SandboxSpec
 
@@ -523,7 +524,7 @@ class FncallBackend(Backend):
         """fncall hosts no sandboxes."""
         raise self.unsupported(Capability.SANDBOXES)
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """fncall hosts no sandboxes."""
         raise self.unsupported(Capability.SANDBOXES)
 

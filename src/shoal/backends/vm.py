@@ -55,6 +55,7 @@ from shoal.errors import (
     Timeout,
 )
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S, MAX_VM_BATCH
 from shoal.models import SandboxInfo
 from shoal.records import SandboxRecord, validate_labels
 from shoal.spec import SandboxSpec
@@ -356,7 +357,7 @@ class QemuVmBackend(Backend):
                              network=bool(spec.network), tb_mb=tb, ram=self._ram(st))
 
     # ---- reach / destroy
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """The connection made at boot, or a new one to the VM's virtio-serial socket."""
         c = self._booted.pop(rec.id, None)
         if c is not None and not c.closed:
@@ -660,8 +661,8 @@ async def _restore_many(ctx: NodeContext, snap: Path, meta: dict[str, Any], n: i
 
 
 def _check_n(n: int) -> int:
-    if not isinstance(n, int) or not 1 <= n <= 1000:
-        raise InvalidRequest(f"n={n!r} must be between 1 and 1000")
+    if not isinstance(n, int) or not 1 <= n <= MAX_VM_BATCH:
+        raise InvalidRequest(f"n={n!r} must be between 1 and {MAX_VM_BATCH}")
     return n
 
 

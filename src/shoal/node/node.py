@@ -34,6 +34,7 @@ from shoal.fsutil import sha256_file
 from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S, AGENT_READY_TIMEOUT_S, MAX_BATCH
 from shoal.models import SandboxInfo, StreamEvent
 from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: largest n of one create_many or fork
-MAX_BATCH = 100_000
 #: closes run at once by close_all / close_many (a close mostly waits: for a killed init, a cgroup, an unmount)
 CLOSE_CONCURRENCY = 64
 
@@ -381,7 +380,7 @@ class Node(DataPlane):
             crash_point("create.record")
             await backend.create(rec, spec, image)
             try:
-                client = await backend.connect(rec, timeout=30.0)
+                client = await backend.connect(rec, timeout=AGENT_READY_TIMEOUT_S)
             except Exception as e:
                 with contextlib.suppress(Exception):
                     await backend.destroy(rec)
@@ -624,7 +623,7 @@ class Node(DataPlane):
             # requests to many sandboxes at once (an exec in each of 10,000): do not wait SHOAL_AGENT_IDLE_S
             # to give back the connections they are done with
             await self.connections.sweep(idle_s=1.0)
-        return await self.connections.connect(rec, backend, timeout=10.0)
+        return await self.connections.connect(rec, backend, timeout=AGENT_CONNECT_TIMEOUT_S)
 
     async def call(self, rec: SandboxRecord, fn: Callable[[AgentClient], Any]) -> Any:
         """Run `fn(client)`; a lost connection is reported as the sandbox having died, when it has."""

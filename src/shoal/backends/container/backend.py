@@ -35,6 +35,7 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
@@ -424,7 +425,7 @@ class ContainerBackend(Backend):
             client = await task
             await client.close()
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
         if rec.extra.get("projid"):
             self._ensure_guard()
