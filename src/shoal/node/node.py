@@ -421,9 +421,9 @@ class Node(DataPlane):
         """A sandbox was handed out to its user (made for it, or taken from a warm pool): count it for
         its job and log it."""
         self.scheduling.created(rec)
-        spec = rec.spec
+        spec = rec.typed_spec
         self.events.emit("created", rec.id, rec.project, image=rec.image, backend=rec.backend,
-                         cpus=spec.get("cpus"), memory_mb=spec.get("memory_mb"), labels=rec.labels or None,
+                         cpus=spec.cpus, memory_mb=spec.memory_mb, labels=rec.labels or None,
                          pooled=True if "pooled_s" in rec.extra else None)
 
     async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None,
@@ -602,7 +602,7 @@ class Node(DataPlane):
             fresh.extra["oom_kills"] = n
             fresh.save()
         rec.extra["oom_kills"] = n
-        data: dict[str, Any] = {"kills": n - seen, "memory_mb": rec.spec.get("memory_mb")}
+        data: dict[str, Any] = {"kills": n - seen, "memory_mb": rec.typed_spec.memory_mb}
         if cmd is not None:
             data["cmd"] = (cmd if isinstance(cmd, str) else " ".join(cmd))[:300]
         if when:
@@ -714,7 +714,7 @@ class Node(DataPlane):
         async with self.locks.state(sandbox_id):
             rec = self.record(sandbox_id)
             got = await backend.set_cpu_class(rec, cpu_class)
-            rec.spec["cpu_class"] = cpu_class
+            rec.spec = {**rec.spec, "cpu_class": cpu_class}  # a new dict: typed_spec follows
             rec.extra["cpu"] = got
             rec.save()
         return got
