@@ -24,7 +24,7 @@ demo: setup
 	$(VENV)/bin/shoal demo
 
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -35,16 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Note whether the host had swap before the suite (nodes set up zram swap when it has none)."""
     if IS_ROOT:
-        from shoal.node.reclaim import swap_active
+        from shoal.backends.container.reclaim import swap_active
 
         session.config.stash[_HAD_SWAP] = swap_active()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Leave swap as the suite found it: the zram swap a node of this suite made goes again, once no other
-    node process on the host relies on it (shoal.node.swap)."""
+    node process on the host relies on it (shoal.backends.container.swap)."""
     if IS_ROOT and session.config.stash.get(_HAD_SWAP, True) is False:
-        from shoal.node import swap
+        from shoal.backends.container import swap
 
         try:
             swap.release_unused(ignore_pid=os.getpid())
@@ -74,8 +74,8 @@ def shoal_home() -> Iterator[Path]:
     os.environ.setdefault("SHOAL_STORE", os.environ.get("SHOAL_TEST_STORE", "/var/lib/shoal/store"))
     yield home
     if IS_ROOT:
+        from shoal.backends.container.disk import UpperPool
         from shoal.config import Paths
-        from shoal.node.disk import UpperPool
         from shoal.node.teardown import stop_readers
 
         UpperPool(Paths.from_env(home)).teardown()

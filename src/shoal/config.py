@@ -434,11 +434,11 @@ class Settings:
     prefetch: bool = setting(True, "node", "record the working set at pause, read it back before the thaw", BOOL)
     zram_swap: str = setting("auto", "node", "compressed swap in RAM (zram) the node sets up when it starts and "
                              "the host has no swap: auto = half the RAM, at most 8G; a size; off = leave swap "
-                             "alone (pause then reclaims page cache only; shoal.node.swap)", ZRAM_SWAP)
+                             "alone (pause then reclaims page cache only; shoal.backends.container.swap)", ZRAM_SWAP)
     sandbox_swap: str = setting("auto", "node", "swap a running container may use: auto = as much as its "
                                 "memory, 0 = none, or a size", SWAP_POLICY)
     swap_demote: bool = setting(True, "node", "a sandbox swapping past its memory limit runs as cpu_class batch "
-                                "until it is back under it (shoal.node.swapwatch)", BOOL)
+                                "until it is back under it (shoal.backends.container.swapwatch)", BOOL)
     agent_idle_s: float = setting(20.0, "node", "an agent connection unused this long is closed, and reopened by "
                                   "the next request (s; 0 = keep them): idle sandboxes hold no descriptor",
                                   number(0))
@@ -655,7 +655,7 @@ class Settings:
     fake_backend: bool = setting(False, "dev", "allow backend=\"fake\": NO isolation (plain processes of this "
                                  "user), for unit tests only", BOOL)
     fault: str | None = setting(None, "dev", "crash the node (SIGKILL) at these steps of create and close: "
-                                "step[,step…], a glob (close.*) or random:P (shoal.node.faults; tests, soaks)",
+                                "step[,step…], a glob (close.*) or random:P (shoal.faults; tests, soaks)",
                                 _optional(text(r"(random:(0(\.[0-9]+)?|1(\.0+)?)|[a-z.*?,]+)",
                                                "steps like create.mount,close.*, or random:P with 0 <= P <= 1")),
                                 default_doc="never")
@@ -997,7 +997,7 @@ class NodeConfig:
     #: record the working set at pause and read it back before the thaw (faster first request)
     prefetch_on_resume: bool = field(default_factory=lambda: settings().prefetch)
     #: compressed swap in RAM (zram) set up when the node starts and the host has none: "auto" (half the RAM,
-    #: at most 8 GiB), a size such as "8G", or "off"/None (leave swap alone); see shoal.node.swap
+    #: at most 8 GiB), a size such as "8G", or "off"/None (leave swap alone); see shoal.backends.container.swap
     zram_swap: str | None = field(default_factory=lambda: settings().zram_swap)
     #: close an agent connection unused this long (s; 0 = never): see shoal.node.connections
     agent_idle_s: float = field(default_factory=lambda: settings().agent_idle_s)

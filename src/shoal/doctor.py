@@ -145,7 +145,7 @@ def run_checks(paths: Paths | None = None, fix: bool = False) -> list[Check]:
               "v1": "cgroup v1 (legacy)"}[mode]
     out.append(Check("cgroups", True, detail))
     if fix and root:
-        from shoal.backends.runtime import fix_hybrid_cgroups_for_crun
+        from shoal.backends.container.runtime import fix_hybrid_cgroups_for_crun
 
         with contextlib.suppress(Exception):
             if fix_hybrid_cgroups_for_crun():
@@ -154,7 +154,7 @@ def run_checks(paths: Paths | None = None, fix: bool = False) -> list[Check]:
     out.append(check_erofs(paths))
     try:
         from shoal.agentbin import find_agent_binary
-        from shoal.backends.runtime import probe_runtimes
+        from shoal.backends.container.runtime import probe_runtimes
 
         agent = find_agent_binary()
         out.append(Check("agent", True, f"in-sandbox agent {agent}"))

@@ -143,8 +143,8 @@ def private_home() -> Iterator[Path]:
         yield home
     finally:
         from shoal.config import Paths
-        from shoal.node.records import list_records
         from shoal.node.teardown import teardown_home
+        from shoal.records import list_records
 
         left = list_records(home / "sandboxes")
         asyncio.run(teardown_home(Paths.from_env(home), close_sandboxes=True))

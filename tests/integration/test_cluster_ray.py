@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import shoal
-from shoal.node.records import node_of
+from shoal.records import node_of
 from tests.waiting import async_wait_for
 
 pytest.importorskip("ray")

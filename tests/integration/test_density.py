@@ -159,7 +159,7 @@ def _cpu_cgroup(pid: int) -> str:
 
 
 async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Client) -> None:
-    from shoal.node import cpuclass
+    from shoal.backends.container import cpuclass
 
     node = client.transport.node
     with pytest.raises(shoal.InvalidRequest, match="cpu_class='urgent'"):
@@ -202,10 +202,10 @@ async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Clien
 
 
 async def test_a_sandbox_swapping_past_its_limit_runs_as_batch_until_it_stops(client: shoal.Client) -> None:
-    """shoal.node.swapwatch: memory + swap past memory_mb + 16 MiB moves the sandbox to the batch class;
+    """shoal.backends.container.swapwatch: memory + swap past memory_mb + 16 MiB moves the sandbox to the batch class;
     back under it (here: the holder killed), it returns to its own class; page cache never counts."""
-    from shoal.node import cpuclass, swapwatch
-    from shoal.node.reclaim import sandbox_swap_mb
+    from shoal.backends.container import cpuclass, swapwatch
+    from shoal.backends.container.reclaim import sandbox_swap_mb
 
     node = client.transport.node
     if cgroups.cgroup_mode() == "v2" or not swapwatch.supported():

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
 
 def pooled(node) -> list:
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     # this process's pools only: the session's API server (another process) keeps its own warm
     return [r for r in list_records(node.paths.sandboxes) if POOL_LABEL in r.labels and r.owner_pid == os.getpid()]
@@ -426,7 +426,7 @@ async def test_closing_the_manager_closes_every_pooled_container(node) -> None:
 async def test_client_run_code_and_run_code_many(shoal_home, base_image) -> None:
     import shoal
     from shoal.models import RunCodeResult
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     async with shoal.Client() as client:
         r = await client.run_code("print(6 * 7)")

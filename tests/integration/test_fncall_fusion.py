@@ -63,7 +63,7 @@ class FusionServer:
 @pytest.fixture(scope="module")
 def fusion(shoal_home: Path, base_image: str) -> Iterator[FusionServer]:
     from shoal.backends.fncall_pool import POOL_LABEL
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     srv = FusionServer(shoal_home / "fusion-server.log")
     srv.start()

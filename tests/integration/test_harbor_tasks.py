@@ -91,7 +91,7 @@ def test_public_task_shapes_embedded(shape: str, shoal_home: Path, base_image: s
     digest = ImageStore(Paths.from_env().store).resolve("base").digest
     task = _shapes(tmp_path / "tasks", digest)[shape]
     _ok(_run(task, tmp_path / "jobs", "-k", "2", "-n", "2"), 2)
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     assert [r.id for r in list_records(shoal_home / "sandboxes") if "harbor.session" in r.labels] == []
 

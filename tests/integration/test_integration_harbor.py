@@ -56,7 +56,7 @@ def test_oracle_many_trials_in_parallel_reward_1(shoal_home: Path, base_image: s
     for trial in (tmp_path / "jobs").glob("*/harbor-fizzbuzz__*"):
         assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
         assert (trial / "agent" / "oracle.txt").exists()
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     left = [r.id for r in list_records(shoal_home / "sandboxes") if "harbor.session" in r.labels]
     assert left == [], f"harbor's trials left sandboxes behind: {left}"

@@ -77,7 +77,7 @@ def test_mini_cli_runs_on_a_yaml_config(tmp_path: Path, shoal_home: Path, base_i
     assert observations[1] == {"returncode": 0, "output": "42\n"}
     assert observations[2]["returncode"] == -1 and "timed out after 3 seconds" in observations[2]["exception_info"]
     # the sandbox went with the run
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     left = [rec.id for rec in list_records(shoal_home / "sandboxes") if rec.id == env_info["sandbox_id"]
             and rec.state in ("running", "paused", "creating")]

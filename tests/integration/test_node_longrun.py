@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal.backends.container import swapwatch
 from shoal.host import cgroups
-from shoal.node import capacity, swapwatch
+from shoal.node import capacity
 from shoal.node.node import Node
 
 pytestmark = [pytest.mark.root]
@@ -136,7 +137,7 @@ async def test_resource_errors_mid_create_become_refusals_and_the_sandbox_is_und
         client: shoal.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """A resource can still run out between admission and the create's end (another process took it): the
     create is undone by its backend and the error names the resource."""
-    from shoal.backends import container
+    from shoal.backends.container import backend as container
 
     node = client.transport.node
     made: list[str] = []

@@ -22,9 +22,9 @@ import pytest
 
 import shoal
 from shoal.agentbin import find_agent_binary
-from shoal.backends.oci import MASKED_PATHS
+from shoal.backends.container.oci import MASKED_PATHS
+from shoal.backends.container.runtime import RuntimeStatus, probe_runtimes
 from shoal.backends.registry import RUNTIMES, make_runtime
-from shoal.backends.runtime import RuntimeStatus, probe_runtimes
 from shoal.config import Paths
 
 pytestmark = [pytest.mark.root]
@@ -180,7 +180,7 @@ async def test_pause_returns_only_once_every_process_is_frozen(rclient: shoal.Cl
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A runtime's pause can return while the freezer is still FREEZING (seen in CI on a busy host); the
     node then asks again until the freezer says FROZEN. Here the runtime's pause does nothing at all."""
-    from shoal.backends.runtime import OciRuntime
+    from shoal.backends.container.runtime import OciRuntime
     from shoal.host import cgroups
 
     if not make_runtime(runtime, runtime).freezes_cgroup:

@@ -156,7 +156,7 @@ def test_node_swap_status() -> None:
 
 
 def test_node_swap_on_and_off() -> None:
-    from shoal.node import reclaim
+    from shoal.backends.container import reclaim
 
     if reclaim.swap_active():
         pytest.skip("the host already has swap; not turning it off")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal.backends.container import reclaim
 from shoal.host.cgroups import SandboxCgroup
-from shoal.node import reclaim
 from tests.conftest import runtime_containers
 from tests.waiting import async_wait_for
 
@@ -42,7 +42,7 @@ def _leftovers(sb_id: str) -> list[str]:
 @pytest.fixture
 def zram_swap(client: shoal.Client) -> Iterator[None]:
     """Swap for the test, as users get it: from the node (SHOAL_ZRAM_SWAP=auto makes zram on a host without
-    swap; shoal.node.swap), never from what earlier runs left on the machine."""
+    swap; shoal.backends.container.swap), never from what earlier runs left on the machine."""
     node = client.transport.node
     if not reclaim.swap_active():
         pytest.skip(f"no swap: the node could not set it up here ({node.swap})")
@@ -227,7 +227,7 @@ def test_close_during_pause_does_not_deadlock(shoal_home: Path, base_image: str)
 async def test_a_node_gives_a_host_without_swap_zram_and_keeps_swap_it_finds(client: shoal.Client) -> None:
     """The default (SHOAL_ZRAM_SWAP=auto): a node start leaves the host with swap — made by this or an earlier
     node process (zram of half the RAM, at most 8 GiB), or the host's own, which it keeps."""
-    from shoal.node import swap
+    from shoal.backends.container import swap
 
     node = client.transport.node
     assert node.swap is not None and node.swap.action in ("made", "kept"), node.swap

@@ -27,7 +27,7 @@ from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageConfig, ImageStore, Layer
 from shoal.models import SandboxSpec
-from shoal.node.records import list_records
+from shoal.records import list_records
 from shoal.server.proc import ServerProcess
 from tests.integration.storeutil import (
     busybox_image,

@@ -21,7 +21,7 @@ import pytest_asyncio
 
 import shoal
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, ShoalError
-from shoal.node.records import list_records
+from shoal.records import list_records
 from tests.waiting import async_wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.vm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

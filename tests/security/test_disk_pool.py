@@ -4,7 +4,7 @@ Before the fix, with the pool full a bystander's 6-byte write failed with ENOSPC
 succeeded but could not write. Now a create that cannot get its disk is refused with CapacityExceeded,
 and when the pool runs into its reserve every sandbox is clamped at what it holds (plus a little
 slack): the writer filling the pool gets EDQUOT, the bystander's small write succeeds
-(shoal.node.disk_guard). The test runs in a private SHOAL_HOME whose pool is 1 GiB."""
+(shoal.backends.container.disk_guard). The test runs in a private SHOAL_HOME whose pool is 1 GiB."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from shoal.backends.container.disk import UpperPool
 from shoal.config import NodeConfig, Paths
 from shoal.errors import CapacityExceeded
 from shoal.models import SandboxSpec
-from shoal.node.disk import UpperPool
 from shoal.node.node import Node
 from shoal.node.teardown import purge_home, teardown_home
 

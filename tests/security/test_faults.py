@@ -1,7 +1,7 @@
 """Item 12 of issue 19: the node process crashes (SIGKILL) at each named step of create and close; the
 next client (`shoal gc`) must leave nothing behind: no half-made sandbox, mount, writable layer, cgroup,
 runtime container, network namespace, veth, bridge registration, allowlist chain, address lease or
-layer user (shoal.node.leaks). The crash hook is shoal.node.faults (SHOAL_FAULT=<step>).
+layer user (shoal.node.leaks). The crash hook is shoal.faults (SHOAL_FAULT=<step>).
 
 Each case runs in a private SHOAL_HOME with its own node id, so the checks see only what it made. The
 sandbox it creates has an egress allowlist, so the network steps make every kind of network state.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from shoal.config import Paths, settings
-from shoal.node.faults import STEPS
+from shoal.faults import STEPS
 from shoal.node.leaks import find_leaks
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900)]

@@ -112,7 +112,7 @@ async def test_gvisor_sandboxes_are_held_by_their_memory_and_pids_limits(client:
     """Issue 23, item 10: runsc ran with --ignore-cgroups here, and a memory_mb=256 sandbox took 2.6 GiB of
     the host, a pids=128 one ran 2,000 processes. Now the sentry, its stubs and the gofer are in the
     sandbox's cgroups (the memory limit plus the runtime's overhead), and `pids` holds inside gVisor."""
-    from shoal.backends.runtime import GvisorRuntime
+    from shoal.backends.container.runtime import GvisorRuntime
 
     if not Path("/sys/fs/cgroup/memory").is_dir():
         pytest.skip("reads the cgroup v1 memory and pids controllers (a hybrid or v1 host)")

@@ -100,7 +100,7 @@ async def test_a_networked_sandbox_resolves_through_the_node_not_the_host(client
     assert conf != host_conf
     mi = (await sb.exec("grep ' /etc/resolv.conf ' /proc/self/mountinfo")).stdout.decode()
     assert mi and "/dev/vd" not in mi and "ext4" not in mi and " /etc/resolv.conf " in mi, mi
-    assert "tmpfs" in mi, mi  # the node's own small tmpfs (shoal.backends.guestfs), not a host disk
+    assert "tmpfs" in mi, mi  # the node's own small tmpfs (shoal.backends.container.guestfs), not a host disk
     r = await sb.exec(["python3", "-c", """
 import socket, sys
 for name in sys.argv[1:]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from shoal.config import NodeConfig, Paths
 from shoal.node.node import Node
-from shoal.node.records import SandboxRecord, new_sandbox_id
+from shoal.records import SandboxRecord, new_sandbox_id
 from shoal.server.app import create_app
 from shoal.server.settings import ServerSettings
 from shoal.server.tokens import TokenStore

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shoal.errors import InvalidRequest, QuotaExceeded
-from shoal.node.records import SandboxRecord, new_sandbox_id
+from shoal.records import SandboxRecord, new_sandbox_id
 from shoal.server.quotas import QuotaTracker
 from shoal.server.tokens import Principal, Quota, TokenNotFound, TokenStore
 

@@ -1,4 +1,4 @@
-"""CPU classes (shoal.node.cpuclass) and KSM setup (shoal.host.ksm) against cgroup and sysfs trees of plain
+"""CPU classes (backends/container/cpuclass.py) and KSM setup (shoal.host.ksm) against cgroup and sysfs trees of plain
 files in a temporary directory — the files are all the code writes; moving real processes between cpu
 cgroups and real merging are checked in tests/integration/test_density.py and `shoal bench sharing`."""
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from shoal.backends.container import cpuclass
 from shoal.errors import InvalidRequest
 from shoal.host import cgroups, ksm
 from shoal.models import SandboxSpec
-from shoal.node import cpuclass
 from shoal.spec import check_spec
 
 

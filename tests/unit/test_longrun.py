@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from shoal.backends.container import swap, swapwatch
 from shoal.errors import CapacityExceeded, SandboxError
 from shoal.models import SandboxSpec
-from shoal.node import capacity, swap, swapwatch
+from shoal.node import capacity
 from shoal.node.capacity import HostCapacity, Limits
 from shoal.node.node import Node
-from shoal.node.records import SandboxRecord
+from shoal.records import SandboxRecord
 
 FAKE = {"image": "t:1", "backend": "fake"}
 
@@ -195,8 +196,8 @@ async def test_a_refused_create_leaves_nothing_behind(node: Node) -> None:
 # ---- the node's swap decision -------------------------------------------------------------------------
 @pytest.fixture
 def swap_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """shoal.node.swap against a private state directory and a pretend host (no real swap is touched)."""
-    from shoal.node import reclaim
+    """shoal.backends.container.swap against a private state directory and a pretend host (no real swap is touched)."""
+    from shoal.backends.container import reclaim
 
     host: dict = {"areas": [], "made": [], "off": []}
     monkeypatch.setattr(swap, "STATE_DIR", tmp_path / "run")
@@ -411,7 +412,7 @@ async def test_periodic_passes_read_snapshots_while_creates_and_closes_change_th
 
 
 def test_records_of_closed_sandboxes_leave_the_parse_cache(tmp_path: Path) -> None:
-    from shoal.node import records
+    from shoal import records
 
     d = tmp_path / "n0-x"
     d.mkdir()

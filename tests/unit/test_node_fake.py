@@ -23,7 +23,7 @@ from shoal.errors import (
 from shoal.models import SandboxSpec
 from shoal.node.admission import meminfo
 from shoal.node.node import Node
-from shoal.node.records import SandboxRecord, list_records
+from shoal.records import SandboxRecord, list_records
 from tests.unit.conftest import add_image, fake_config
 from tests.waiting import async_wait_for
 

@@ -18,8 +18,8 @@ from shoal.models import SandboxSpec
 from shoal.node import scheduling as node_scheduling
 from shoal.node.admission import meminfo
 from shoal.node.node import Node
-from shoal.node.records import list_records
 from shoal.node.tracelog import TraceLog
+from shoal.records import list_records
 from shoal.sched import labels_for_job
 from shoal.sdk.local import LocalTransport
 from shoal.sim.trace import read_trace

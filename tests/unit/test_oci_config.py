@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from shoal.backends.oci import MASKED_PATHS, _masked_dirs, _masked_files, build_config
-from shoal.backends.runtime import CrunRuntime, GvisorRuntime, RuncRuntime
+from shoal.backends.container.oci import MASKED_PATHS, _masked_dirs, _masked_files, build_config
+from shoal.backends.container.runtime import CrunRuntime, GvisorRuntime, RuncRuntime
 
 
 def _files(tmp_path: Path) -> dict[str, Any]:

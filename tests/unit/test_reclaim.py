@@ -1,4 +1,4 @@
-"""Unit tests of shoal.node.reclaim: sizes, /proc/swaps, pagemap runs, working-set record and prefetch."""
+"""Unit tests of shoal.backends.container.reclaim: sizes, /proc/swaps, pagemap runs, working-set record and prefetch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from shoal.backends.container import reclaim
 from shoal.errors import InvalidRequest
-from shoal.node import reclaim
 
 
 def test_parse_size() -> None:

@@ -1,4 +1,4 @@
-"""shoal.backends.runtime_state: only the state of shoal containers that stopped and whose bundle is gone
+"""shoal.backends.container.runtime_state: only the state of shoal containers that stopped and whose bundle is gone
 is removed; running containers, live bundles, other tools' containers and unreadable state stay."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from shoal.backends.runtime_state import sweep_stale
-from shoal.node.records import proc_starttime
+from shoal.backends.container.runtime_state import sweep_stale
+from shoal.records import proc_starttime
 
 
 def _dead_pid() -> int:

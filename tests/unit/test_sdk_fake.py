@@ -150,6 +150,6 @@ def test_sync_client(fake_home: Path) -> None:
 
 
 def _records(node: Node) -> list:
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     return list_records(node.paths.sandboxes)

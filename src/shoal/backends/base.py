@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from shoal.images.store import Image
     from shoal.models import SandboxInfo
     from shoal.node.context import NodeContext
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
     from shoal.spec import SandboxSpec
 
 
@@ -47,7 +47,7 @@ class Capability(enum.Enum):
     EGRESS_RULES = "egress_rules"
     #: short code runs on warm pools (`run_code`)
     RUN_CODE = "run_code"
-    #: CPU classes (`interactive`/`batch`, shoal.node.cpuclass) set at create and changed live (`set_cpu_class`)
+    #: CPU classes (`interactive`/`batch`, container.cpuclass) set at create and changed live (`set_cpu_class`)
     CPU_CLASS = "cpu_class"
 
 

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentproto.client import AgentClient
 from shoal.backends.base import Backend, Capability
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
-from shoal.node.records import proc_starttime
+from shoal.records import proc_starttime
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import _Stream
     from shoal.images.store import Image
     from shoal.node.context import NodeContext
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
     from shoal.spec import SandboxSpec
 
 #: request fields that are paths inside the sandbox, by agent operation

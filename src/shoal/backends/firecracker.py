@@ -36,7 +36,7 @@ from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.images.store import Image
-from shoal.node.records import SandboxRecord, proc_starttime
+from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.images.store import Image
     from shoal.node.context import NodeContext, SandboxHost
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 log = logging.getLogger("shoal.fncall")
 
@@ -203,7 +203,7 @@ class FncallManager:
 
     async def _sweep_orphans(self) -> None:
         """Close pooled containers left by processes that died without closing their pools."""
-        from shoal.node.records import list_records
+        from shoal.records import list_records
 
         try:
             recs = await asyncio.to_thread(list_records, self.node.paths.sandboxes)

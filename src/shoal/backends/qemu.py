@@ -32,7 +32,7 @@ from typing import Any
 from shoal.config import settings
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
-from shoal.node.records import proc_starttime
+from shoal.records import proc_starttime
 
 QEMU_BIN = "qemu-system-x86_64"
 _SUN_PATH_MAX = 107

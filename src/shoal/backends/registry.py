@@ -16,7 +16,7 @@ from shoal.errors import BackendUnavailable, InvalidRequest
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
-    from shoal.backends.runtime import OciRuntime
+    from shoal.backends.container.runtime import OciRuntime
     from shoal.node.context import NodeContext
 
 
@@ -60,7 +60,7 @@ class VmmEntry:
 
 
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
-    BackendEntry("container", "shoal.backends.container:ContainerBackend",
+    BackendEntry("container", "shoal.backends.container.backend:ContainerBackend",
                  "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
     BackendEntry("microvm", "shoal.backends.microvm:make_microvm_backend",
                  "QEMU microvm (Firecracker when usable) booting shoal's guest kernel"),
@@ -72,9 +72,9 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
 )}
 
 RUNTIMES: dict[str, RuntimeEntry] = {e.name: e for e in (
-    RuntimeEntry("crun", "crun", "shoal.backends.runtime:CrunRuntime", "apt-get install crun", auto_rank=0),
-    RuntimeEntry("runc", "runc", "shoal.backends.runtime:RuncRuntime", "apt-get install runc", auto_rank=1),
-    RuntimeEntry("gvisor", "runsc", "shoal.backends.runtime:GvisorRuntime",
+    RuntimeEntry("crun", "crun", "shoal.backends.container.runtime:CrunRuntime", "apt-get install crun", auto_rank=0),
+    RuntimeEntry("runc", "runc", "shoal.backends.container.runtime:RuncRuntime", "apt-get install runc", auto_rank=1),
+    RuntimeEntry("gvisor", "runsc", "shoal.backends.container.runtime:GvisorRuntime",
                  "apt-get install runsc (Debian 12), or the binary from gvisor.dev"),
 )}
 

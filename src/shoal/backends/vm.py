@@ -56,7 +56,7 @@ from shoal.errors import (
 )
 from shoal.images.store import Image
 from shoal.models import SandboxInfo
-from shoal.node.records import SandboxRecord, validate_labels
+from shoal.records import SandboxRecord, validate_labels
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:

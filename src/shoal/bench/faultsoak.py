@@ -3,7 +3,7 @@
 `soak(cycles, p)` runs worker processes (`python -m shoal.bench.faultsoak --worker`) on a private
 SHOAL_HOME with SHOAL_FAULT=random:p: each creates and closes sandboxes (every fourth one with an egress
 allowlist, so the network steps run too) until it has done its share or crashes (SIGKILL at a random
-step of create or close, shoal.node.faults). The next worker starts a node on the same home, whose
+step of create or close, shoal.faults). The next worker starts a node on the same home, whose
 reconcile is "the next client"; the driver counts crashes and goes on until `cycles` cycles completed.
 At the end `shoal gc` runs once more and shoal.node.leaks lists what is left: it must be nothing.
 

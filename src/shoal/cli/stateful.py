@@ -264,8 +264,8 @@ def node_swap(zram: Annotated[str | None, typer.Option(help="make the zram swap 
               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Show or change the swap paused sandboxes go to. A node makes zram swap by itself on a host without any
     (SHOAL_ZRAM_SWAP=auto: half the RAM, at most 8G); `--zram 16G` / `--auto` resize it, `--off` removes it."""
+    from shoal.backends.container import reclaim, swap
     from shoal.errors import ShoalError
-    from shoal.node import reclaim, swap
 
     try:
         if sum(bool(x) for x in (zram, auto, off)) > 1:

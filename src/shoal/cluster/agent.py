@@ -289,7 +289,7 @@ class NodeAgent:
         """(id, project, cpus, memory_mb, state, spec) of every sandbox here: cluster-wide quotas and the
         gateway's knowledge of who owns what."""
         await self.ensure_started()
-        from shoal.node.records import list_records
+        from shoal.records import list_records
 
         return [(r.id, r.project, float(r.spec.get("cpus", 0)), int(r.spec.get("memory_mb", 0)), r.state, r.spec)
                 for r in list_records(self.node.paths.sandboxes) if not r.extra.get("pool")]

@@ -26,7 +26,7 @@ from shoal.config import Paths
 from shoal.errors import SandboxNotFound, ShoalError
 from shoal.images.store import ImageStore
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec
-from shoal.node.records import check_sandbox_id, node_of
+from shoal.records import check_sandbox_id, node_of
 
 log = logging.getLogger(__name__)
 #: seconds between usage snapshots of every node (cluster-wide quotas)

@@ -17,7 +17,7 @@ def node_state(node: Node, *, ray_node_id: str = "", url: str = "") -> dict[str,
     """Memory and CPUs committed/limit/free (the node's admission figures), sandboxes by state, mounted layers
     and images in use."""
     from shoal.backends.registry import backend_names
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     adm = node.admission.snapshot()
     by_state: Counter[str] = Counter()

@@ -51,7 +51,7 @@ from shoal.errors import (
     ShoalError,
 )
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
-from shoal.node.records import check_sandbox_id, node_of
+from shoal.records import check_sandbox_id, node_of
 from shoal.sdk.transport import Transport
 
 #: operations the SDK sends again by itself after a node agent failure, even when the first attempt

@@ -155,7 +155,7 @@ def _local_users(paths: Paths | None) -> tuple[set[str], set[str]]:
     manifests: set[str] = set()
     if paths is None:
         return hexes, manifests
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     for rec in list_records(paths.sandboxes):
         hexes.update(rec.layers or [])

@@ -14,7 +14,7 @@ costs about a mebibyte, and 90% of them idle. So admission goes by what is **mea
   host-wide PSI counts as well — and refusing everyone's creates for it would let one bomb stop a node.)
 * **promised** — the sum of `memory_mb` of live sandboxes may not pass `SHOAL_MEMORY_OVERCOMMIT` × RAM.
   The default (1000) leaves the decision to measurement; `4` refuses past four times RAM, `1` never
-  promises more than the host has. A paused sandbox's memory has been reclaimed (shoal.node.reclaim):
+  promises more than the host has. A paused sandbox's memory has been reclaimed (shoal.backends.container.reclaim):
   `paused(sandbox_id)` stops counting it against the limit (the scheduler's `Policy.paused_commit_weight`,
   0) and `resumed(sandbox_id)` counts it again — which is what lets preemption and compute tides
   (shoal.node.scheduling) make room by pausing.
@@ -42,7 +42,7 @@ from shoal.host.memory import MemorySample, sample
 
 if TYPE_CHECKING:
     from shoal.config import NodeConfig
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 
 def meminfo() -> dict[str, int]:

@@ -6,7 +6,7 @@ fail half-way with a raw `OSError`, crash its client, or leave a half-made sandb
 * **descriptors** — the node process's own `RLIMIT_NOFILE` (raised at start as far as the host allows:
   `raise_nofile`) and the host's `fs.file-max`. An idle sandbox holds none of the node's descriptors
   (agent connections close when idle, one swap watch for all: shoal.node.connections,
-  shoal.node.swapwatch); a create holds a few while it runs.
+  shoal.backends.container.swapwatch); a create holds a few while it runs.
 * **PIDs** — every sandbox's agent is a process, every create forks the runtime: the host's tasks
   (`/proc/loadavg`) against `kernel.pid_max` and `kernel.threads-max`.
 * **inotify watches** — on cgroup v2 the swap watch takes one per sandbox (`fs.inotify.max_user_watches`).

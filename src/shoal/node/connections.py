@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from shoal.images.mounts import LayerMounts
 from shoal.images.store import ImageStore
 from shoal.node.admission import Admission
 from shoal.node.connections import AgentConnections
-from shoal.node.records import SandboxRecord, check_sandbox_id, my_identity, new_sandbox_id
 from shoal.node.statelock import SandboxLocks
+from shoal.records import SandboxRecord, check_sandbox_id, my_identity, new_sandbox_id
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
-    from shoal.backends.runtime import RuntimeStatus
+    from shoal.backends.container.runtime import RuntimeStatus
     from shoal.models import SandboxInfo
     from shoal.node.network import NetworkManager
     from shoal.spec import SandboxSpec

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from shoal.agentproto.relay import PortStream, WatchStream
     from shoal.config import NodeConfig
     from shoal.node.events import EventLog
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 
 class DataPlane:

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from shoal.config import Paths
-from shoal.node.records import list_records
+from shoal.records import list_records
 
 
 def _run(argv: list[str]) -> str:

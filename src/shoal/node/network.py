@@ -45,7 +45,7 @@ from shoal.egress import NEVER, Box, EgressPolicy, box, box_text, disjoint, read
 from shoal.errors import BackendUnavailable, CapacityExceeded, SandboxError
 from shoal.fsutil import flocked
 from shoal.host.spawn import run, run_sync
-from shoal.node.records import SandboxRecord
+from shoal.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from shoal.backends.base import Backend, Capability
 from shoal.backends.registry import create_backend
 from shoal.config import NodeConfig, settings
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
+from shoal.faults import crash_point
 from shoal.fsutil import sha256_file
 from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
@@ -37,19 +38,18 @@ from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
 from shoal.node.context import NodeContext
 from shoal.node.dataplane import DataPlane
-from shoal.node.faults import crash_point
 from shoal.node.pool import WarmPool
-from shoal.node.records import SandboxRecord, check_sandbox_id, forget_record, list_records
 from shoal.node.recovery import Recovery
 from shoal.node.statelock import SandboxLocks
+from shoal.records import SandboxRecord, check_sandbox_id, forget_record, list_records
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.backends.container.runtime import RuntimeStatus
+    from shoal.backends.container.swap import SwapDecision
     from shoal.backends.fncall import FncallManager
-    from shoal.backends.runtime import RuntimeStatus
     from shoal.node.network import NetworkManager
     from shoal.node.protect import Protection
-    from shoal.node.swap import SwapDecision
     from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Node(DataPlane):
         self._statuses: dict[str, RuntimeStatus] | None = None
         self._network: NetworkManager | None = None
         self._started = False
-        #: what start() did about swap (shoal.node.swap): made a zram device, kept the host's, or nothing
+        #: what start() did about swap (shoal.backends.container.swap): made a zram device, kept the host's, or nothing
         self.swap: SwapDecision | None = None
         #: this process's RLIMIT_NOFILE (soft, hard) after start() raised it
         self.nofile: tuple[int, int] | None = None
@@ -144,7 +144,7 @@ class Node(DataPlane):
                 protect_host, reserve_mb=cfg.host_reserve_mb, node_oom_score_adj=cfg.node_oom_score_adj,
                 node_memory_min_mb=cfg.node_memory_min_mb)
         if self.config.zram_swap and not self.config.fake_backend and self.swap is None:
-            from shoal.node.swap import start_for_node
+            from shoal.backends.container.swap import start_for_node
 
             # compressed swap in RAM is what lets pause() return a sandbox's anonymous memory: a host with no
             # swap gets it from the node (SHOAL_ZRAM_SWAP=auto), not from what earlier runs left behind
@@ -211,7 +211,7 @@ class Node(DataPlane):
     def runtime_statuses(self) -> dict[str, RuntimeStatus]:
         """Which OCI runtimes work here (probed once per boot)."""
         if self._statuses is None:
-            from shoal.backends.runtime import probe_runtimes
+            from shoal.backends.container.runtime import probe_runtimes
 
             self._statuses = probe_runtimes(self.paths, self.guest_dir / "shoal-agent")
         return self._statuses
@@ -247,7 +247,7 @@ class Node(DataPlane):
     def table_sizes(self) -> dict[str, int]:
         """How many entries the node keeps in each per-sandbox table now (admission, last use, connections,
         parsed records, state locks, swap watches): what `shoal bench soak` checks stays flat under churn."""
-        from shoal.node import records
+        from shoal import records
 
         b = self._backends.get("container")
         sw = getattr(b, "swap_watch", None)
@@ -370,7 +370,7 @@ class Node(DataPlane):
                 extra={"workdir": image.config.workdir, "user": image.config.user, **(extra or {})},
                 make_dir=backend.make_dir)
             # saved before anything is made for it: whatever a crash leaves from here on belongs to a record
-            # naming a dead owner, which the next reconcile closes at once (shoal.node.faults)
+            # naming a dead owner, which the next reconcile closes at once (shoal.faults)
             rec.save()
             crash_point("create.record")
             await backend.create(rec, spec, image)
@@ -638,7 +638,7 @@ class Node(DataPlane):
 
     # ---- pause / resume -----------------------------------------------------------------------
     async def pause(self, sandbox_id: str, reclaim: bool | None = None, *, by: str | None = None) -> None:
-        """Freeze the sandbox, then reclaim its memory (see shoal.node.reclaim; `reclaim=None`: the config's).
+        """Freeze the sandbox, then reclaim its memory (container.reclaim; `reclaim=None`: the config's).
         Its memory stops counting against the node's limit until it resumes. `by` names who paused it
         when it was not its user ("preempt", "tides": `info.extra["paused_by"]` until it resumes)."""
         rec = self.record(sandbox_id)  # SandboxNotFound before any lock file is made
@@ -667,7 +667,7 @@ class Node(DataPlane):
                              reclaimed_mb=None if got is None else round(got / 2**20, 2))
 
     async def resume(self, sandbox_id: str, prefetch: bool | None = None) -> None:
-        """Read the paused sandbox's working set back in (see shoal.node.reclaim), then thaw it."""
+        """Read the paused sandbox's working set back in (see shoal.backends.container.reclaim), then thaw it."""
         rec = self.record(sandbox_id)  # SandboxNotFound before any lock file is made
         backend = self.backend(rec.backend)
         async with self.locks.state(sandbox_id):
@@ -690,9 +690,9 @@ class Node(DataPlane):
             self.events.emit("resumed", sandbox_id, rec.project)
 
     async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
-        """Move a running sandbox to another CPU class (`interactive` or `batch`, see shoal.node.cpuclass),
+        """Move a running sandbox to another CPU class (`interactive` or `batch`, see container.cpuclass),
         e.g. around a test suite it runs. Returns what was set."""
-        from shoal.node.cpuclass import check_cpu_class
+        from shoal.backends.container.cpuclass import check_cpu_class
 
         check_cpu_class(cpu_class)
         rec = self.record(sandbox_id)
@@ -763,10 +763,10 @@ class Node(DataPlane):
         """Re-adopt live sandboxes left by earlier processes; clean up dead, expired and half-made ones."""
         out = await self.recovery.reconcile()
         if not self.config.fake_backend:
-            from shoal.node import cpuclass
+            from shoal.backends.container import cpuclass
 
             await asyncio.to_thread(cpuclass.sweep)  # batch cpu cgroups of sandboxes closed while no node ran
-            from shoal.backends.runtime_state import sweep_stale
+            from shoal.backends.container.runtime_state import sweep_stale
 
             # crun/runc state of stopped containers whose home was deleted (a killed bench run)
             out["runtime_states_removed"] = len(await asyncio.to_thread(sweep_stale))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shoal.errors import SandboxError, SandboxNotFound, ShoalError
-from shoal.node.records import SandboxRecord, list_records
+from shoal.records import SandboxRecord, list_records
 
 if TYPE_CHECKING:
     from shoal.models import SandboxInfo
@@ -94,9 +94,9 @@ class Recovery:
     def _sweep_leftovers(self, live_ids: set[str]) -> None:
         """Directories without a record (a crash between mkdir and the first save), orphaned writable
         layers and layer mounts nobody uses."""
+        from shoal.backends.container.disk import UpperPool
+        from shoal.backends.container.volatile import remove_sandbox_dir
         from shoal.host import syscalls
-        from shoal.node.disk import UpperPool
-        from shoal.node.volatile import remove_sandbox_dir
 
         node = self.node
         for entry in os.scandir(node.paths.sandboxes):
@@ -118,7 +118,7 @@ class Recovery:
             try:
                 pool.sweep_orphans(node.paths.sandboxes)
                 if pool.enforced:
-                    pool.guard.prune()  # promises and clamps of layers that are gone (shoal.node.disk_guard)
+                    pool.guard.prune()  # promises and clamps of layers that are gone (container.disk_guard)
             finally:
                 pool.close()  # its handle would keep the pool's filesystem (and loop device) alive
         with contextlib.suppress(Exception):

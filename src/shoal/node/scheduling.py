@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from shoal.config import Settings
     from shoal.models import SandboxSpec
     from shoal.node.node import Node
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 #: most sandboxes one tide or pressure pass pauses (idle ones hold ~1 MiB each: the rest waits for the next)
@@ -185,7 +185,7 @@ class NodeScheduling:
         `project`: only that project's sandboxes are candidates to pause (the others still count in the
         node's figures). Blocking (reads every record): from the event loop, `view_async` runs it in a
         thread with a snapshot of `last_used` (which creates and closes change meanwhile)."""
-        from shoal.node.records import list_records
+        from shoal.records import list_records
 
         last_used = self.last_used if last_used is None else last_used
         snap = snap or self.node.admission.snapshot()

@@ -40,7 +40,7 @@ from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.node.node import Node
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from shoal.node.records import check_sandbox_id
+from shoal.records import check_sandbox_id
 
 
 class SandboxLocks:

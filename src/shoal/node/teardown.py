@@ -22,9 +22,9 @@ class TeardownReport:
 async def teardown_home(paths: Paths, *, close_sandboxes: bool = False) -> TeardownReport:
     """Close the home's sandboxes (only with `close_sandboxes`; otherwise live ones make this raise
     InvalidRequest and touch nothing), unmount every layer mount and the upper pool."""
-    from shoal.node.disk import UpperPool
+    from shoal.backends.container.disk import UpperPool
     from shoal.node.node import Node
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     node = Node(NodeConfig(paths=paths))
     await node.start(reap=False, reconcile=False)

@@ -27,7 +27,7 @@ import httpx
 from shoal.errors import CapacityExceeded, InvalidRequest, ShoalError, Timeout, error_from_dict
 from shoal.limits import DEFAULT_EXEC_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, SandboxInfo, StreamEvent
-from shoal.node.records import check_sandbox_id
+from shoal.records import check_sandbox_id
 from shoal.sdk.transport import Cmd, Transport
 from shoal.server.codec import (
     STDERR_TAG,

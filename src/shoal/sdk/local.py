@@ -131,7 +131,7 @@ class LocalTransport(Transport):
         import asyncio
 
         from shoal.node.events import EXEC, LIFECYCLE, read_events
-        from shoal.node.records import check_sandbox_id
+        from shoal.records import check_sandbox_id
 
         if sandbox_id is not None:
             check_sandbox_id(sandbox_id)

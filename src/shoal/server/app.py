@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shoal import __version__
 from shoal.errors import CapacityExceeded, ShoalError
 from shoal.node.node import Node
-from shoal.node.records import list_records
+from shoal.records import list_records
 from shoal.server import api_images, api_observe, api_sandboxes, api_stream, ui
 from shoal.server.deps import ServerState, authorized, require_admin, state_of
 from shoal.server.limits import BodyGuard, TokenLimiter

@@ -16,7 +16,7 @@ from shoal.errors import Forbidden, InvalidRequest, SandboxNotFound, Unauthorize
 from shoal.images.refs import parse_ref
 from shoal.images.visibility import PROJECT_IMAGES, foreign, project_prefix, scoped_ref
 from shoal.models import SandboxInfo
-from shoal.node.records import SandboxRecord
+from shoal.records import SandboxRecord
 from shoal.server.tokens import DEFAULT_PROJECT, Principal
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shoal.node.events import LIFECYCLE
-from shoal.node.records import list_records
+from shoal.records import list_records
 
 if TYPE_CHECKING:
     from shoal.node.node import Node

@@ -206,7 +206,7 @@ class SandboxIndex:
 
     def build(self) -> list[dict[str, Any]]:
         """Read the records now (blocking; the parsed records are cached by file identity)."""
-        from shoal.node.records import list_records
+        from shoal.records import list_records
 
         t0 = time.perf_counter()
         nid = self.node.config.node_id
@@ -334,7 +334,7 @@ class NodeView:
     # ---- events ---------------------------------------------------------------------------------
     async def sandbox_events(self, who: Any, sandbox_id: str, *, commands: bool = False) -> list[dict[str, Any]]:
         """A sandbox's events (or commands), also after it was closed; another project's are not found."""
-        from shoal.node.records import check_sandbox_id
+        from shoal.records import check_sandbox_id
 
         check_sandbox_id(sandbox_id)
         self.events.refresh()
@@ -489,7 +489,7 @@ class ClusterView:
 
     async def sandbox_usage(self, who: Any, sandbox_id: str) -> dict[str, Any]:
         """Asked of the sandbox's node."""
-        from shoal.node.records import node_of
+        from shoal.records import node_of
         from shoal.server.deps import owned
 
         await owned(self.st, who, sandbox_id)
@@ -498,7 +498,7 @@ class ClusterView:
     # ---- events ---------------------------------------------------------------------------------
     async def sandbox_events(self, who: Any, sandbox_id: str, *, commands: bool = False) -> list[dict[str, Any]]:
         """The node's events of the sandbox, plus the gateway's own (`lost`)."""
-        from shoal.node.records import check_sandbox_id, node_of
+        from shoal.records import check_sandbox_id, node_of
 
         check_sandbox_id(sandbox_id)
         self.events.refresh()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shoal.errors import QuotaExceeded
-from shoal.node.records import list_records
+from shoal.records import list_records
 from shoal.server.tokens import Principal
 
 

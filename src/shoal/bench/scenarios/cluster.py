@@ -132,7 +132,7 @@ async def _exec_paths(ctx: BenchContext, cl: shoal.Client, http: shoal.Client, n
     import ray
 
     from shoal.cluster.raylink import NAMESPACE, agent_name
-    from shoal.node.records import node_of
+    from shoal.records import node_of
 
     csb = await cl.create("base", **SPEC)
     hsb = await http.create("base", **SPEC)
@@ -181,7 +181,7 @@ async def _node_loss(cl: shoal.Client, lc: Any) -> dict[str, Any]:
     import ray
 
     from shoal.cluster.raylink import NAMESPACE, agent_name
-    from shoal.node.records import node_of
+    from shoal.records import node_of
 
     items = await cl.create_many("base", n=3, **SPEC)
     sb = next(s for s in items if isinstance(s, shoal.Sandbox))

@@ -30,7 +30,7 @@ async def get_host_round_trip(ctx: BenchContext, client: Any, url: str, token: s
     """Latency of GET / and GET /f64k through get_host vs straight from the host (module docstring)."""
     import httpx
 
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
 
     sb = await client.create(ctx.image, memory_mb=256, network=True)
     try:

@@ -41,8 +41,8 @@ async def _synced_bytes(read: Any) -> int:
 
 async def shoal_disk(ctx: BenchContext, n: int) -> dict[str, Any]:
     """A node on a private ext4 device: bytes written by `n` creates, and by closing them."""
+    from shoal.backends.container.disk import UpperPool
     from shoal.config import NodeConfig, Paths
-    from shoal.node.disk import UpperPool
     from shoal.node.node import Node
 
     fs = host.LoopFs(Path(f"/tmp/sbdisk-{os.getpid()}"))

@@ -54,7 +54,7 @@ def _self_cpu_s() -> float:
 def _sandboxes_cpu_s(home: Path, owner_pid: int | None = None, ids: set[str] | None = None) -> float:
     """CPU seconds used so far by pooled sandboxes (their cgroups: agent, worker and every call)."""
     from shoal.backends.fncall_pool import POOL_LABEL
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     total = 0.0
     for rec in list_records(home / "sandboxes"):

@@ -254,7 +254,7 @@ def _mount_times(paths: Paths, img: Any, trials: int, log: Callable[[str], None]
 async def _shoal_writes(node: Any, spec: Any, paths: Paths, scratch: ScratchFs, n: int, rounds: int,
                         log: Callable[[str], None]) -> dict:
     parts = {"sandbox dirs (records, bundles)": paths.sandboxes}
-    pool = paths.home / "uppers.btrfs"  # the node's upper pool, when it uses one (shoal.node.disk)
+    pool = paths.home / "uppers.btrfs"  # the node's upper pool, when it uses one (shoal.backends.container.disk)
     if pool.exists():
         parts["upper pool"] = pool
     w = Writes(scratch.stat, [paths.home], parts)

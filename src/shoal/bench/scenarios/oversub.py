@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.backends.container import cpuclass
+from shoal.backends.container.reclaim import swap_status
 from shoal.bench import host
 from shoal.bench.context import BenchContext
 from shoal.bench.scenarios.common import close_all, spec
 from shoal.bench.stats import latency_summary, percentile
 from shoal.errors import ShoalError
 from shoal.host.cgroups import SandboxCgroup
-from shoal.node import cpuclass
-from shoal.node.reclaim import swap_status
 
 MIB = 2**20
 # a program that takes all the memory it can (its sandbox's limit, then as much swap): the OOM killer ends it
@@ -95,7 +95,7 @@ async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int
         running = [asyncio.ensure_future(node.exec(b, BOMB.format(delay=rng.uniform(0, seconds * 0.8)),
                                                    timeout=seconds + 120)) for b in bomb_ids]
         during: list[float] = []
-        demoted: set[str] = set()  # bombs seen running as batch while they swapped (shoal.node.swapwatch)
+        demoted: set[str] = set()  # bombs seen running as batch while they swapped (shoal.backends.container.swapwatch)
         while time.perf_counter() - t0 < seconds or not all(r.done() for r in running):
             during += await _probe(ctx, probe, 20)
             demoted |= {b for b in bomb_ids if cpuclass.batch_cgroup(b).exists()}
@@ -130,7 +130,7 @@ async def abuse(ctx: BenchContext, idle_ids: list[str], bombs: int, bomb_mb: int
 
 def _zram_used() -> int:
     """RAM used by the host's zram devices (compressed pages plus their metadata), bytes."""
-    from shoal.node.reclaim import zram_devices
+    from shoal.backends.container.reclaim import zram_devices
 
     return sum(z.mem_used_total for z in zram_devices())
 

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import shoal
+from shoal.backends.container import reclaim
 from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import docker_create_one, docker_remove_all, first_errors, gather_bounded
 from shoal.bench.stats import latency_summary
 from shoal.host.cgroups import SandboxCgroup
-from shoal.node import reclaim
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`qos`: exec latency of latency-sensitive sandboxes next to CPU hogs — default Linux scheduling vs shoal's
-CPU classes (shoal.node.cpuclass).
+CPU classes (shoal.backends.container.cpuclass).
 
 `hogs` sandboxes run compile-like loops (gzip -9 in two processes each, more CPU than their quota of one
 core); `latency` sandboxes issue short agent steps (a shell tool call) with a little think time between
@@ -24,13 +24,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.backends.container import cpuclass
 from shoal.bench import plots
 from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult, at_least, at_most
 from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import close_all, spec
 from shoal.bench.stats import latency_summary, percentile
-from shoal.node import cpuclass
 
 PHASES = ("idle", "default", "policy")
 

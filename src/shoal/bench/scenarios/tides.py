@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from shoal.backends.container import reclaim
 from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import gather_bounded
 from shoal.bench.scenarios.pause import _REQUEST, _charged, _make_idle, _zram_bytes
 from shoal.bench.stats import latency_summary
-from shoal.node import reclaim
 from shoal.node.scheduling import _meminfo_mb
 
 

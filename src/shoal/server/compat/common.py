@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.config import settings
 from shoal.errors import ImageNotFound, SandboxNotFound, Unauthorized
-from shoal.node.records import SandboxRecord, check_sandbox_id
+from shoal.records import SandboxRecord, check_sandbox_id
 from shoal.server.deps import ANONYMOUS, Namespace, owned_record
 from shoal.server.tokens import TOKEN_RE, Principal
 

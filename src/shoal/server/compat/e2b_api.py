@@ -27,7 +27,7 @@ from shoal.errors import (
     ShoalError,
 )
 from shoal.models import SandboxInfo
-from shoal.node.records import SandboxRecord
+from shoal.records import SandboxRecord
 from shoal.server.compat import common, e2b_list
 from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
@@ -218,7 +218,7 @@ async def create_sandbox(request: Request) -> Response:
 
 def _listed(st: ServerState, who: Principal) -> list[dict[str, Any]]:
     """Every running or paused sandbox of the caller's project (admin: all) as E2B's ListedSandbox."""
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     out = []
     for rec in list_records(st.node.paths.sandboxes):

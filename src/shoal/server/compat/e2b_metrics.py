@@ -33,7 +33,7 @@ from shoal.errors import InvalidRequest, SandboxNotFound
 from shoal.server.compat import common
 
 if TYPE_CHECKING:
-    from shoal.node.records import SandboxRecord
+    from shoal.records import SandboxRecord
     from shoal.server.deps import ServerState
 
 log = logging.getLogger("shoal.server")

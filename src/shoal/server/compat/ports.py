@@ -54,7 +54,7 @@ def _public(rec: Any) -> bool:
 
 def _check_access(st: ServerState, sid: str, headers: dict[str, str]) -> None:
     """Raise Unauthorized (no or a bad token) or SandboxNotFound (not the caller's, or gone)."""
-    from shoal.node.records import check_sandbox_id
+    from shoal.records import check_sandbox_id
 
     check_sandbox_id(sid)
     rec = st.node.record(sid)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from shoal.errors import CapacityExceeded
 
 if TYPE_CHECKING:
-    from shoal.node.disk import UpperPool
+    from shoal.backends.container.disk import UpperPool
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class DiskGuard:
                 buf = bytearray(1024)
                 fcntl.ioctl(fd, _FS_INFO, buf)
                 fsid = uuid.UUID(bytes=bytes(buf[16:32]))
-                # a pool with mixed block groups (small pools, shoal.node.disk) has one space for both
+                # a pool with mixed block groups (small pools, shoal.backends.container.disk) has one space for both
                 for kind in ("data", "mixed"):
                     d = Path(f"/sys/fs/btrfs/{fsid}/allocation/{kind}")
                     if d.is_dir():
@@ -231,7 +231,7 @@ class DiskGuard:
 
 def pool_sandboxes(sandboxes_dir: Path) -> tuple[dict[str, int], dict[str, int]]:
     """The live sandboxes with a writable layer on the pool: (id -> subvolume id, id -> disk_mb)."""
-    from shoal.node.records import list_records
+    from shoal.records import list_records
 
     subvols, limits = {}, {}
     for rec in list_records(sandboxes_dir):

@@ -1,6 +1,6 @@
 """Swap for sandboxes, set up by the node (issue 24, item 6): a fresh machine gets what pause needs.
 
-Pausing a sandbox returns its memory to the host (shoal.node.reclaim), but anonymous memory — heaps,
+Pausing a sandbox returns its memory to the host (shoal.backends.container.reclaim), but anonymous memory — heaps,
 stacks, /dev/shm — can only go to swap, and a fresh Debian machine has none: there a paused sandbox
 gives back its page cache only, the pressure response (pause idle sandboxes before refusing a create)
 frees almost nothing, and density is what RAM holds. So the node decides for its users:
@@ -98,7 +98,7 @@ def ensure(setting: str | None, *, setup: Callable[..., Any] | None = None) -> S
     """Apply the node's swap setting (see the module docstring): make zram swap when the host has none.
     BackendUnavailable when it cannot (no root, no zram in the kernel). Registers this process as a user
     of the swap either way (unless the setting is off)."""
-    from shoal.node import reclaim
+    from shoal.backends.container import reclaim
 
     want = parse_setting(setting)
     if want is None:
@@ -121,7 +121,7 @@ def ensure(setting: str | None, *, setup: Callable[..., Any] | None = None) -> S
 
 def made_by_node() -> dict[str, Any] | None:
     """The zram device a node made (device, size, made_at, pid), while its swap is on."""
-    from shoal.node import reclaim
+    from shoal.backends.container import reclaim
 
     try:
         m = json.loads(_marker().read_text())
@@ -177,7 +177,7 @@ def live_users(*, prune: bool = False) -> list[int]:
 def release_unused(*, ignore_pid: int | None = None) -> list[str]:
     """Turn off the zram swap a node made when no live node process (other than `ignore_pid`) relies on
     it; returns the devices turned off. Swap the host had of its own is never touched."""
-    from shoal.node import reclaim
+    from shoal.backends.container import reclaim
 
     with _setup_lock():
         m = made_by_node()
@@ -196,7 +196,7 @@ def release_unused(*, ignore_pid: int | None = None) -> list[str]:
 def resize(size: str | int, *, algorithm: str | None = None) -> SwapDecision:
     """`shoal node swap --zram SIZE` / `--auto`: make the zram swap this size, turning off (and reading
     back) a zram swap of another size first. Swap the host has on a disk stays as it is."""
-    from shoal.node import reclaim
+    from shoal.backends.container import reclaim
 
     if os.geteuid() != 0:
         raise BackendUnavailable("setting up swap needs root")
@@ -215,7 +215,7 @@ def resize(size: str | int, *, algorithm: str | None = None) -> SwapDecision:
 
 def turn_off() -> list[str]:
     """`shoal node swap --off`: turn off every zram swap (reading its pages back first)."""
-    from shoal.node import reclaim
+    from shoal.backends.container import reclaim
 
     with _setup_lock():
         done = reclaim.teardown_zram_swap()
@@ -231,7 +231,7 @@ def start_for_node(setting: str | None) -> SwapDecision:
     except ShoalError as e:
         if parse_setting(setting) != "auto":
             raise
-        from shoal.node import reclaim
+        from shoal.backends.container import reclaim
 
         log.warning("no swap for paused sandboxes: %s (pause reclaims page cache only)", e.message)
         return SwapDecision("unavailable", [s.path for s in reclaim.swap_devices()], reason=e.message)

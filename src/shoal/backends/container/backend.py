@@ -20,23 +20,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.backends.base import Backend, Capability
-from shoal.backends.guestfs import GuestFiles
-from shoal.backends.oci import build_config, render_config
+from shoal.backends.container import cpuclass, disk_guard, swapwatch
+from shoal.backends.container.disk import UpperPool
+from shoal.backends.container.guestfs import GuestFiles
+from shoal.backends.container.oci import build_config, render_config
+from shoal.backends.container.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
+from shoal.backends.container.runtime import OciRuntime, RuntimeStatus, pick_runtime
+from shoal.backends.container.volatile import VolatileDirs, remove_sandbox_dir
 from shoal.backends.registry import make_runtime
-from shoal.backends.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.config import settings
 from shoal.egress import check_network, grants_for
 from shoal.errors import InvalidRequest, SandboxError
+from shoal.faults import crash_point
 from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
-from shoal.node import cpuclass, disk_guard, swapwatch
-from shoal.node.disk import UpperPool
-from shoal.node.faults import crash_point
-from shoal.node.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
-from shoal.node.records import SandboxRecord, proc_starttime
-from shoal.node.volatile import VolatileDirs, remove_sandbox_dir
+from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class ContainerBackend(Backend):
         self.default_runtime = ctx.config.runtime
         self.upper_pool = UpperPool(ctx.paths)
         self._runtimes: dict[str, OciRuntime] = {}
-        # sandbox directories (record, bundle, socket) in memory: see shoal.node.volatile
+        # sandbox directories (record, bundle, socket) in memory: see shoal.backends.container.volatile
         self.volatile = VolatileDirs(ctx.paths)
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
@@ -163,11 +163,11 @@ class ContainerBackend(Backend):
         #: close by killing the init and removing the runtime's state ourselves (kill_and_forget)
         self.fast_teardown = True
         self._helper: str | bool | None = False  # the mount-namespace helper (False: not looked up yet)
-        #: the agent and the masking files, on a tmpfs of their own (see shoal.backends.guestfs)
+        #: the agent and the masking files, on a tmpfs of their own (see shoal.backends.container.guestfs)
         self.guestfs = GuestFiles(ctx.paths, ctx.agent_binary)
-        #: keeps the upper pool's reserve for bystanders while this process has sandboxes (shoal.node.disk_guard)
+        #: keeps the upper pool's reserve for bystanders while this process has sandboxes (disk_guard.py)
         self._disk_guard: asyncio.Task | None = None
-        #: sandboxes swapping past their memory limit run as batch while they do (shoal.node.swapwatch)
+        #: sandboxes swapping past their memory limit run as batch while they do (shoal.backends.container.swapwatch)
         self.swap_watch = swapwatch.SwapWatch() if settings().swap_demote and swapwatch.supported() else None
         self._cpu_own: dict[str, str] = {}  # the class each watched sandbox returns to
         self._cpu_moves: dict[str, asyncio.Task] = {}  # its last class change, while it runs
@@ -553,7 +553,7 @@ class ContainerBackend(Backend):
 
     async def reclaim(self, rec: SandboxRecord, *, record_working_set: bool) -> dict[str, Any]:
         """Reclaim the frozen cgroup's memory (page cache; anonymous memory to swap), recording the
-        working set first when asked (see shoal.node.reclaim)."""
+        working set first when asked (see shoal.backends.container.reclaim)."""
         if not rec.cgroup:
             return {}
         return await reclaim_paused(rec.cgroup, rec.path, prefetch=record_working_set)
@@ -567,7 +567,7 @@ class ContainerBackend(Backend):
         drop_working_set(rec.path)
 
     async def set_cpu_class(self, rec: SandboxRecord, cpu_class: str) -> dict[str, Any]:
-        """Move the running sandbox's processes to another CPU class (shoal.node.cpuclass)."""
+        """Move the running sandbox's processes to another CPU class (shoal.backends.container.cpuclass)."""
         if not rec.cgroup:
             raise SandboxError(f"sandbox {rec.id} has no cgroup to put in a CPU class")
         if rec.id in self._cpu_own:
@@ -581,16 +581,16 @@ class ContainerBackend(Backend):
                "disk_limit_enforced": bool(rec.extra.get("projid"))}
         clamped = self.upper_pool.guard.clamped().get(rec.id) if rec.extra.get("projid") else None
         if clamped is not None:
-            # the pool ran low: this sandbox may not grow past what it held then (shoal.node.disk_guard)
+            # the pool ran low: this sandbox may not grow past what it held then (shoal.backends.container.disk_guard)
             out["disk_clamped_mb"] = clamped
         if rec.extra.get("egress"):
             # the allowlist's drops and DNS refusals so far (network=[rules], docs/security.md)
             out["egress"] = self.ctx.network().egress_stats(rec)
         if "cpu" in rec.extra:
-            out["cpu"] = rec.extra["cpu"]  # its CPU class and what was set for it (shoal.node.cpuclass)
+            out["cpu"] = rec.extra["cpu"]  # its CPU class and what was set for it (shoal.backends.container.cpuclass)
         if self.swap_watch is not None and self.swap_watch.over(rec.id):
-            out["cpu_demoted"] = "batch while it swaps past its memory limit (shoal.node.swapwatch)"
-        # what the last pause reclaimed and the last resume prefetched (shoal.node.reclaim)
+            out["cpu_demoted"] = "batch while it swaps past its memory limit (shoal.backends.container.swapwatch)"
+        # what the last pause reclaimed and the last resume prefetched (shoal.backends.container.reclaim)
         out.update({k: rec.extra[k] for k in ("paused_at", "reclaim", "resume") if k in rec.extra})
         return out
 

@@ -10,7 +10,7 @@ kernel to reclaim the sandbox's whole memory cgroup:
 Page cache and reclaimable slab (dentries, inodes) always go. Anonymous memory (heaps, stacks, tmpfs)
 can only go to swap: without swap it stays. The node can set up compressed swap in RAM (zram) with
 `shoal node swap --zram 8G` or `SHOAL_ZRAM_SWAP=8G` — and by default, on a host with no swap, the node
-makes one itself (shoal.node.swap); then anonymous pages are compressed (typically
+makes one itself (shoal.backends.container.swap); then anonymous pages are compressed (typically
 3-5x for program memory, near 100x for zero-filled buffers) and the paused sandbox keeps only kernel
 memory that cannot be reclaimed (page tables, unreclaimable slab).
 
@@ -293,7 +293,7 @@ def reclaim_cgroup(cg: SandboxCgroup) -> ReclaimResult:
 
 # ---- working set: record before reclaim, prefetch before thaw ------------------------------------
 def _starttime(pid: int) -> int | None:
-    from shoal.node.records import proc_starttime
+    from shoal.records import proc_starttime
 
     return proc_starttime(pid)
 

@@ -123,10 +123,10 @@ class OciRuntime:
     #: `pause` freezes the container's cgroup (the host's freezer), so the node can check it is frozen
     freezes_cgroup = True
     #: the /proc entries a bind mount may cover (None: any); the node masks the others with the runtime's
-    #: own maskedPaths instead (see shoal.backends.oci.build_config)
+    #: own maskedPaths instead (see shoal.backends.container.oci.build_config)
     proc_binds: frozenset[str] | None = None
     #: mounts a tmpfs of its own at an empty /tmp unless the config mounts something there (see
-    #: shoal.backends.oci.build_config's bind_tmp)
+    #: shoal.backends.container.oci.build_config's bind_tmp)
     own_tmp = False
     #: where the runtime keeps a container's state (root's default `--root`); None: only `delete` may remove it
     state_root: Path | None = None
@@ -405,14 +405,14 @@ def _probe_sandbox(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
     """Start a sandbox the way ContainerBackend.create does (same config builder, masks and /proc files,
     a bundle reached through a symlink, `run_detached` with a socket as fd 3); the agent only prints its
     version. None when it started, else the runtime's error."""
-    from shoal.backends.guestfs import GuestFiles
-    from shoal.backends.oci import build_config, render_config
+    from shoal.backends.container.guestfs import GuestFiles
+    from shoal.backends.container.oci import build_config, render_config
 
     paths.run.mkdir(parents=True, exist_ok=True)
     cid = f"shoal-probe-{os.getpid()}-{rt.name}"
     cg_parent = f"/shoal-probe-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="probe-", dir=paths.run) as tmp:
-        # sandbox directories are symlinks into a tmpfs (shoal.node.volatile): the bundle is reached the same way
+        # sandbox directories are symlinks into a tmpfs (volatile.py): the bundle is reached the same way
         bundle = Path(tmp) / "link"
         (Path(tmp) / "dir").mkdir()
         os.symlink("dir", bundle)
@@ -441,7 +441,7 @@ def _probe_sandbox(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
 def _probe_plain(rt: OciRuntime, paths: Paths, agent_bin: Path) -> str | None:
     """Run a plain container (no masks, no /proc files, the runtime's own `run`): None when the runtime
     works on this host at all, else its error."""
-    from shoal.backends.oci import build_config
+    from shoal.backends.container.oci import build_config
 
     paths.run.mkdir(parents=True, exist_ok=True)
     cid = f"shoal-probe-{os.getpid()}-{rt.name}"

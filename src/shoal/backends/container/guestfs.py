@@ -58,7 +58,7 @@ class GuestFiles:
 
     def __init__(self, paths: Paths, agent_src: Path, root: Path | None = None, tmpfs: bool = True) -> None:
         self.paths = paths
-        #: (another root without a tmpfs: the runtime probe's own copy, see shoal.backends.runtime)
+        #: (another root without a tmpfs: the runtime probe's own copy, see shoal.backends.container.runtime)
         self.root = root or paths.home / "guestfs"
         self.tmpfs = tmpfs
         self.agent_src = Path(agent_src)

@@ -63,9 +63,9 @@ class UpperPool:
         self.reason = ""
         if not s.disk_limits:
             self.enforced, self.reason = False, "disk limits disabled by SHOAL_DISK_LIMITS=0"
-        from shoal.node.disk_guard import DiskGuard
+        from shoal.backends.container.disk_guard import DiskGuard
 
-        #: admission against the pool and pressure relief (shoal.node.disk_guard)
+        #: admission against the pool and pressure relief (shoal.backends.container.disk_guard)
         self.guard = DiskGuard(self, s.disk_overcommit, s.disk_reserve_mb)
 
     def _lock(self) -> contextlib.AbstractContextManager[int]:
@@ -198,7 +198,7 @@ class UpperPool:
     def sweep_orphans(self, sandboxes_dir: Path) -> int:
         """Delete subvolumes whose sandbox directory is gone (a crash before the first record, or a reboot:
         sandbox directories live on tmpfs). Never mounts the pool just for this. Returns how many."""
-        from shoal.node.records import check_sandbox_id
+        from shoal.records import check_sandbox_id
 
         if not syscalls.is_mountpoint(str(self.mountpoint)) or not self.ensure() or self._fd is None:
             return 0
@@ -281,9 +281,9 @@ class UpperPool:
 
     def teardown(self) -> bool:
         """Unmount the pool when no sandbox uses it (tests, `shoal node teardown`). True if unmounted.
-        The tmpfs of sandbox directories (shoal.node.volatile) goes too when empty."""
-        from shoal.backends.guestfs import GuestFiles
-        from shoal.node.volatile import VolatileDirs
+        The tmpfs of sandbox directories (shoal.backends.container.volatile) goes too when empty."""
+        from shoal.backends.container.guestfs import GuestFiles
+        from shoal.backends.container.volatile import VolatileDirs
 
         with contextlib.suppress(OSError):
             VolatileDirs(self.paths).teardown()

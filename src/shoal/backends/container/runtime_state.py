@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from shoal.backends.runtime import CrunRuntime, RuncRuntime
+from shoal.backends.container.runtime import CrunRuntime, RuncRuntime
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _state(d: Path) -> tuple[int, int | None, str] | None:
 
 
 def _running(pid: int, start: int | None) -> bool:
-    from shoal.node.records import proc_starttime
+    from shoal.records import proc_starttime
 
     now = proc_starttime(pid) if pid > 0 else None
     return now is not None and (start is None or int(start) == now)

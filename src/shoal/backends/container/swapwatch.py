@@ -10,7 +10,7 @@ The line is the sandbox's memory limit plus `MARGIN`, on memory + swap: page cac
 the limit (it is dropped, never swapped) and a paused sandbox reclaimed to swap does not change it, so
 only anonymous memory beyond the limit crosses it. The kernel wakes the node when a sandbox reclaims at
 its own limit; the node then reads its memory + swap, and past the line moves the sandbox's processes to
-the `batch` class (shoal.node.cpuclass: SCHED_IDLE, only CPU time nobody else wants). While it is there,
+the `batch` class (shoal.backends.container.cpuclass: SCHED_IDLE, only CPU time nobody else wants). While it is there,
 memory + swap is read every `RECHECK_S`; back under the line (the OOM killer ended the bomb, or the
 process freed memory) the sandbox returns to its own class. Nothing is polled for the others.
 

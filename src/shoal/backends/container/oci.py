@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from shoal.backends.seccomp import default_profile
+from shoal.backends.container.seccomp import default_profile
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 
 # The capability set Docker grants by default; nothing beyond it (no SYS_ADMIN, SYS_PTRACE, NET_ADMIN).
@@ -26,7 +26,7 @@ MASKED_PATHS = [
     # the host's block devices, partitions and swap devices (names, sizes, I/O counters)
     "/proc/partitions", "/proc/diskstats", "/proc/swaps", "/sys/block", "/sys/class/block", "/sys/dev/block",
 ]
-# /proc files replaced by the node's own (shoal.backends.guestfs): the host kernel's command line, and a
+# /proc files replaced by the node's own (shoal.backends.container.guestfs): the host kernel's command line, and a
 # meminfo that reports the sandbox's memory limit instead of the host's RAM
 VIRTUAL_PROC_FILES = ("/proc/cmdline", "/proc/meminfo")
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
