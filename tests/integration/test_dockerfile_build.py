@@ -364,6 +364,54 @@ def test_cli_build_inspect_and_run_default_command(shoal_home: Path, base_image:
     subprocess.run([*shoal, "image", "rm", "df-cli:1"], env=env, capture_output=True)
 
 
+FLAGS_DOCKERFILE = """FROM base AS build
+ARG V=1
+LABEL stage=build
+RUN echo "v=$V $(date +%s%N)" > /stamp
+FROM base AS final
+LABEL stage=final
+COPY --from=build /stamp /stamp
+"""
+
+
+def test_cli_build_flags(shoal_home: Path, base_image: str, tmp_path: Path) -> None:
+    """Docker's flags on the CLI: -f (a Dockerfile outside the context's root), --build-arg, --target,
+    --platform linux/amd64 (others refused), --no-cache (a cached rebuild says so; --no-cache reruns)."""
+    ctx = _write(tmp_path / "ctx", {"docker/Build.dockerfile": FLAGS_DOCKERFILE, "x": "x"})
+    env = dict(os.environ, SHOAL_HOME=str(shoal_home), COLUMNS="300")
+    shoal = [sys.executable, "-m", "shoal.cli.main"]
+    name = f"df-flags-{os.getpid()}:1"
+
+    def build(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*shoal, "image", "build", "-t", name, "-f", str(ctx / "docker/Build.dockerfile"),
+                               "--build-arg", "V=2", "--target", "build", "--platform", "linux/amd64", *extra,
+                               str(ctx)], capture_output=True, text=True, env=env, timeout=600)
+
+    def stamp() -> str:
+        r = subprocess.run([*shoal, "run", name, "--", "cat", "/stamp"], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    try:
+        r = build()
+        assert r.returncode == 0, r.stderr[-2000:]
+        first = stamp()
+        assert first.startswith("v=2 "), "the build arg reached RUN"
+        conf = json.loads(subprocess.run([*shoal, "image", "inspect", name], capture_output=True, text=True,
+                                         env=env).stdout)["config"]
+        assert conf["labels"] == {"stage": "build"}, "--target stops at the build stage"
+        r = build()
+        assert r.returncode == 0 and "(cached)" in r.stderr and stamp() == first
+        r = build("--no-cache")
+        assert r.returncode == 0 and "(cached)" not in r.stderr, r.stderr[-2000:]
+        assert stamp() != first, "--no-cache reran the RUN"
+        r = build("--platform", "linux/arm64")
+        assert r.returncode == 2 and "linux/amd64" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        subprocess.run([*shoal, "image", "rm", name], env=env, capture_output=True)
+
+
 async def test_sdk_build_over_http(api_server, tmp_path: Path) -> None:
     """The context goes up as a tarball; the server builds it into the caller's project."""
     from shoal.sdk.client import Client
@@ -386,3 +434,19 @@ async def test_sdk_build_over_http(api_server, tmp_path: Path) -> None:
         with pytest.raises(InvalidRequest, match="no FROM"):
             (ctx / "Dockerfile").write_text("# empty\n")
             await c.build_image("df-http:2", str(ctx))
+        # Docker's flags over HTTP: a Dockerfile elsewhere in the context, build args, target, no-cache, platform
+        _write(ctx, {"docker/Build.dockerfile": FLAGS_DOCKERFILE})
+        opts = {"dockerfile": "docker/Build.dockerfile", "build_args": {"V": "3"}, "target": "build",
+                "platform": "linux/amd64"}
+        one = await c.build_image("df-http:flags", str(ctx), **opts)
+        assert one["stages"] == ["build"] and one["image"]["config"]["labels"] == {"stage": "build"}
+        assert (await c.build_image("df-http:flags", str(ctx), **opts))["steps_run"] == 0
+        fresh = await c.build_image("df-http:flags", str(ctx), **opts, no_cache=True)
+        assert fresh["steps_run"] == 1 and fresh["steps_cached"] == 0
+        sb = await c.create("df-http:flags")
+        try:
+            assert (await sb.exec(["cat", "/stamp"])).stdout.startswith(b"v=3 ")
+        finally:
+            await sb.close()
+        with pytest.raises(InvalidRequest, match="linux/amd64"):
+            await c.build_image("df-http:flags", str(ctx), **{**opts, "platform": "linux/arm64"})

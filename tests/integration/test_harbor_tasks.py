@@ -141,3 +141,24 @@ def test_public_name_through_a_mirror_and_digest_pinned(public_python, tmp_path:
                    "/srv/fizzbuzz.py")
     _ok(_run(by_tag, tmp_path / "jobs1", "-k", "2", "-n", "2"), 2)
     _ok(_run(pinned, tmp_path / "jobs2"), 1)
+
+
+def test_public_name_through_a_mirror_against_a_server(public_python, shoal_home: Path, tmp_path: Path) -> None:
+    """The same public-name and digest-pinned FROMs with `--ek url=`: the context is uploaded, and the
+    server (its own mirror setting) pulls the base on demand and builds the task image."""
+    from shoal.server.proc import ServerProcess
+    from shoal.server.tokens import TokenStore
+
+    name, digest = public_python
+    tasks = tmp_path / "tasks"
+    by_tag = _task(tasks, "hub-python", f"FROM {name}\nWORKDIR /app\n", "/app/fizzbuzz.py")
+    pinned = _task(tasks, "hub-python-pinned", f"FROM docker.io/library/{name}@{digest}\nWORKDIR /srv\n",
+                   "/srv/fizzbuzz.py")
+    token = TokenStore(shoal_home).create("harbor-remote-pulls", name="test_harbor_tasks remote pulls")
+    srv = ServerProcess(env=dict(os.environ), token=token, log_path=tmp_path / "serve.log").start()
+    try:
+        remote = ("--ek", f"url={srv.url}", "--ek", f"token={token}")
+        _ok(_run(by_tag, tmp_path / "jobs1", "-k", "2", "-n", "2", *remote), 2)
+        _ok(_run(pinned, tmp_path / "jobs2", *remote), 1)
+    finally:
+        srv.stop()

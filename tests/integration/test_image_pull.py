@@ -452,3 +452,49 @@ def test_a_build_from_a_missing_image_pulls_it(registry_env: LoopbackRegistry, t
     assert store.exists("bbase:1") and store.resolve("bbase:1").lineage["pulled"] == "docker.io/library/bbase:1"
     built = store.resolve("built:1")
     assert len(built.layers) == 2 and built.layers[0].digest == store.resolve("bbase:1").layers[0].digest
+    # `shoal run` of a digest-pinned Docker Hub reference the store lacks: pulled, then run
+    d = reg.push("library/brun:1", [busybox_layer([("file", "etc/marker", b"run-pulled", 0o644)])], env=["PATH=/bin"])
+    r = subprocess.run([*shoal, "run", f"docker.io/library/brun:1@{d}", "--", "/bin/cat", "/etc/marker"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0 and r.stdout == "run-pulled", r.stderr[-2000:]
+    pulled = resolve_local(store, f"brun@{d}")
+    assert pulled is not None and pulled.lineage["manifest_digest"] == d
+
+
+def test_e2b_templates_are_registry_references(registry_env: LoopbackRegistry, tmp_path: Path,
+                                               shoal_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unmodified E2B SDK (`Sandbox.create(template=…)`) with a Docker reference as the templateID, by tag
+    and by digest: the server pulls it through the mirror on demand. The image is busybox (no bash): the
+    SDK's `/bin/bash -l -c CMD` runs with the image's /bin/sh, as shoal's own string commands do."""
+    e2b = pytest.importorskip("e2b", reason="the compat extra brings the E2B SDK")
+    from shoal.server.proc import ServerProcess
+    from shoal.server.tokens import TokenStore
+    from tests.registry import busybox_layer
+
+    reg = registry_env
+    d = reg.push("library/ebox:1", [busybox_layer([("file", "etc/marker", b"from-the-registry", 0o644)])],
+                 env=["PATH=/bin"], workdir="/tmp")
+    token = TokenStore(shoal_home).create("e2b-pulls", name="test_image_pull e2b")
+    store = tmp_path / "store"
+    srv = ServerProcess(env={**os.environ, "SHOAL_STORE": str(store)}, token=token,
+                        log_path=tmp_path / "serve.log").start()
+    monkeypatch.setenv("E2B_API_URL", srv.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", srv.url)
+    monkeypatch.setenv("E2B_API_KEY", token)
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    mark = reg.mark()
+    try:
+        for template in ("ebox:1", f"docker.io/library/ebox@{d}"):
+            sb = e2b.Sandbox.create(template=template, timeout=120)
+            try:
+                r = sb.commands.run("cat /etc/marker; echo; echo ${BASH_VERSION:-no-bash} $(pwd)")
+                assert r.exit_code == 0 and r.stdout == "from-the-registry\nno-bash /tmp\n", (r.stdout, r.stderr)
+            finally:
+                sb.kill()
+        with pytest.raises(Exception, match=r"(?i)not found|MANIFEST_UNKNOWN"):
+            e2b.Sandbox.create(template="ebox:missing", timeout=60)
+    finally:
+        srv.stop()
+    wait_for(lambda: len(_blob_gets(reg, mark)) >= 2, what="the registry log")
+    assert len(_blob_gets(reg, mark)) == 2, "config + one layer: the digest reference reused the tag's pull"
+    assert ImageStore(store).exists("ebox:1")

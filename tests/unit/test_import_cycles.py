@@ -56,21 +56,25 @@ def _is_type_checking(test: ast.expr) -> bool:
                for n in ast.walk(test))
 
 
-def _walk(node: ast.AST, deferred: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Import statements under `node`, with whether each runs later than module import; skips TYPE_CHECKING."""
+def _walk(node: ast.AST, deferred: bool = False, type_checking: bool = False
+          ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Import statements under `node`, with whether each runs later than module import; skips the body of
+    `if TYPE_CHECKING:` unless `type_checking`."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if not type_checking and isinstance(child, ast.If) and _is_type_checking(child.test):
             for stmt in child.orelse:
-                yield from _walk_stmt(stmt, deferred)
+                yield from _walk_stmt(stmt, deferred, type_checking)
             continue
-        yield from _walk_stmt(child, deferred)
+        yield from _walk_stmt(child, deferred, type_checking)
 
 
-def _walk_stmt(node: ast.AST, deferred: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+def _walk_stmt(node: ast.AST, deferred: bool, type_checking: bool = False
+               ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node, deferred
         return
-    yield from _walk(node, deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+    yield from _walk(node, deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+                     type_checking)
 
 
 def _resolve(name: str, mods: dict[str, Module]) -> str | None:
@@ -79,11 +83,12 @@ def _resolve(name: str, mods: dict[str, Module]) -> str | None:
     return name or None
 
 
-def import_graph() -> dict[str, Module]:
-    """Every shoal module with the shoal modules it imports (module level and deferred, not TYPE_CHECKING)."""
+def import_graph(*, type_checking: bool = False) -> dict[str, Module]:
+    """Every shoal module with the shoal modules it imports (module level and deferred; the imports under
+    `if TYPE_CHECKING:` too when `type_checking`)."""
     mods = _modules()
     for m in mods.values():
-        for node, deferred in _walk(ast.parse(m.path.read_text(), str(m.path))):
+        for node, deferred in _walk(ast.parse(m.path.read_text(), str(m.path)), type_checking=type_checking):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -196,6 +201,9 @@ def test_the_walk_finds_a_cycle_and_ignores_type_checking(tmp_path: Path, monkey
     assert cycles(mods) == [frozenset({"shoal.a", "shoal.b"})]
     assert mods["shoal.b"].imports == {"shoal.a": [(2, "deferred")]}
     assert mods["shoal.c"].imports == {"shoal.sub.d": [(2, "top")]}
+    # asked to, the walk follows TYPE_CHECKING imports too (tests/unit/test_architecture.py does for shoal.node)
+    with_tc = import_graph(type_checking=True)
+    assert sorted(map(sorted, cycles(with_tc))) == [["shoal.a", "shoal.b"], ["shoal.c", "shoal.sub.d"]]
 
 
 # A child per module, forked from a parent that imported only third-party packages and the `shoal` package

@@ -273,6 +273,42 @@ def test_the_swap_a_node_made_is_turned_off_only_when_no_node_process_uses_it(sw
     assert swap.release_unused() == [] and swap_state["off"] == [["zram7"]]
 
 
+def test_node_swap_resize_replaces_a_zram_swap_of_another_size_and_keeps_one_of_the_same(
+        swap_state: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shoal node swap --zram SIZE` / `--auto` (swap.resize) on the pretend host."""
+    from shoal.backends.container import reclaim
+    from shoal.errors import InvalidRequest
+
+    def zram_devices() -> list[reclaim.ZramDevice]:
+        on = "/dev/zram7" in swap_state["areas"]
+        return [reclaim.ZramDevice("zram7", swap_state["made"][-1], "zstd", swap=True)] if on else []
+
+    def setup(size: int, algorithm: str | None = None) -> reclaim.ZramDevice:  # idempotent, like the real one
+        if zram_devices():
+            return zram_devices()[0]
+        swap_state["made"].append(size)
+        swap_state["areas"].append("/dev/zram7")
+        return reclaim.ZramDevice("zram7", size, algorithm or "zstd", swap=True)
+
+    monkeypatch.setattr(reclaim, "zram_devices", zram_devices)
+    monkeypatch.setattr(reclaim, "setup_zram_swap", setup)
+    assert swap.ensure("auto").action == "made"
+    d = swap.resize("512M")  # another size: the node's device is read back and made again
+    assert d.action == "made" and d.size == 512 << 20 and swap_state["off"] == [["zram7"]]
+    assert swap_state["made"] == [swap.auto_size(), 512 << 20]
+    m = swap.made_by_node()
+    assert m is not None and m["size"] == 512 << 20 and m["setting"] == "512M"
+    swap.resize("512M")  # the same size: kept as it is, nothing read back
+    assert swap_state["off"] == [["zram7"]] and swap_state["made"] == [swap.auto_size(), 512 << 20]
+    assert swap.resize("auto").size == swap.auto_size() and len(swap_state["off"]) == 2
+    for bad in ("0", "lots"):
+        with pytest.raises(InvalidRequest):
+            swap.resize(bad)
+    assert swap.made_by_node() is not None  # a bad size changed nothing
+    swap.turn_off()  # `--off`: every zram swap is read back and removed, and the note with it
+    assert swap_state["off"][-1] is None and swap_state["areas"] == [] and swap.made_by_node() is None
+
+
 # ---- the swap watch: one inotify descriptor for every sandbox (cgroup v2) ------------------------------------
 def _v2_cgroup(root: Path, name: str, current: int = 1 << 20, swapped: int = 0) -> Path:
     d = root / "shoal" / name

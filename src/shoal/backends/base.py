@@ -17,9 +17,9 @@ from shoal.errors import ShoalError, Unsupported
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.backends.context import NodeContext
     from shoal.images.store import Image
     from shoal.models import SandboxInfo
-    from shoal.node.context import NodeContext
     from shoal.records import SandboxRecord
     from shoal.spec import SandboxSpec
 

@@ -33,8 +33,8 @@ from shoal.records import proc_starttime
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import _Stream
+    from shoal.backends.context import NodeContext
     from shoal.images.store import Image
-    from shoal.node.context import NodeContext
     from shoal.records import SandboxRecord
     from shoal.spec import SandboxSpec
 

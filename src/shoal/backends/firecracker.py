@@ -41,7 +41,7 @@ from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
-    from shoal.node.context import NodeContext
+    from shoal.backends.context import NodeContext
 
 AGENT_VSOCK_PORT = 1024
 GUEST_CID = 3

@@ -34,8 +34,8 @@ from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.backends.context import NodeContext, SandboxHost
     from shoal.images.store import Image
-    from shoal.node.context import NodeContext, SandboxHost
     from shoal.records import SandboxRecord
 
 log = logging.getLogger("shoal.fncall")

@@ -26,7 +26,7 @@ from shoal.fsutil import aflocked
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.backends.context import SandboxHost
 
 FNCALL_PACKAGES = ["gcc", "g++", "libc6-dev"]
 _LOCKS: dict[str, asyncio.Lock] = {}
@@ -80,7 +80,7 @@ def _install_script(packages: list[str] | tuple[str, ...], check: str = FNCALL_R
     )
 
 
-async def build_fncall_image(node: Node, ref: str = "fncall:latest", *, base: str | None = None,
+async def build_fncall_image(node: SandboxHost, ref: str = "fncall:latest", *, base: str | None = None,
                              packages: list[str] | None = None,
                              log: Callable[[str], None] | None = None) -> dict:
     """Build `ref` and return the image summary: a known fncall image (`RECIPES`) from its recipe, or any
@@ -129,7 +129,7 @@ async def build_fncall_image(node: Node, ref: str = "fncall:latest", *, base: st
     return img
 
 
-async def ensure_fncall_image(node: Node, ref: str = "fncall:latest",
+async def ensure_fncall_image(node: SandboxHost, ref: str = "fncall:latest",
                               log: Callable[[str], None] | None = None) -> str:
     """Return `ref`, building it first (once per store, host-wide lock) when the store lacks it."""
     if node.store.exists(ref):

@@ -29,7 +29,7 @@ from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient, ExecStream
-    from shoal.node.node import Node
+    from shoal.backends.context import SandboxHost
 
 log = logging.getLogger("shoal.fncall")
 
@@ -119,7 +119,7 @@ class PoolKey:
 class Worker:
     """One pooled container and the fncall worker inside it."""
 
-    def __init__(self, node: Node, sandbox_id: str, client: AgentClient, stream: ExecStream) -> None:
+    def __init__(self, node: SandboxHost, sandbox_id: str, client: AgentClient, stream: ExecStream) -> None:
         self.node = node
         self.sandbox_id = sandbox_id
         self.client = client
@@ -140,7 +140,7 @@ class Worker:
 
     # ---- lifecycle
     @classmethod
-    async def start(cls, node: Node, spec: SandboxSpec, config: dict[str, Any], timeout: float = 60.0) -> Worker:
+    async def start(cls, node: SandboxHost, spec: SandboxSpec, config: dict[str, Any], timeout: float = 60.0) -> Worker:
         """Create a container, start the worker in it and wait until it says it is ready."""
         info = await node.create(spec)
         try:
@@ -256,7 +256,7 @@ class Worker:
 class Pool:
     """Workers of one PoolKey; see the module docstring."""
 
-    def __init__(self, node: Node, key: PoolKey, spec: SandboxSpec, worker_config: dict[str, Any], *,
+    def __init__(self, node: SandboxHost, key: PoolKey, spec: SandboxSpec, worker_config: dict[str, Any], *,
                  min_idle: int, max_size: int, idle_timeout_s: float, max_calls: int, max_age_s: float,
                  start_timeout_s: float, keep_warm_s: float) -> None:
         self.node = node

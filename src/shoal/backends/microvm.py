@@ -10,7 +10,7 @@ from shoal.config import settings
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
-    from shoal.node.context import NodeContext
+    from shoal.backends.context import NodeContext
 
 
 def make_microvm_backend(ctx: NodeContext, name: str = "microvm") -> Backend:

@@ -17,7 +17,7 @@ from shoal.errors import BackendUnavailable, InvalidRequest
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
     from shoal.backends.container.runtime import OciRuntime
-    from shoal.node.context import NodeContext
+    from shoal.backends.context import NodeContext
 
 
 @dataclass(frozen=True)

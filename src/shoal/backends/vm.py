@@ -60,7 +60,7 @@ from shoal.records import SandboxRecord, validate_labels
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
-    from shoal.node.context import NodeContext
+    from shoal.backends.context import NodeContext
 
 MIN_VM_MEMORY_MB = 128
 #: microvm has 8 virtio-mmio slots: agent port, balloon, writable disk, optional network, and the layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -83,6 +84,30 @@ def mounts_under(prefix: str) -> list[str]:
             if mp == p or mp.startswith(p.rstrip("/") + "/"):
                 found.append(mp)
     return sorted(found, key=len, reverse=True)
+
+
+#: filesystems whose mounts outlive what serves them (a FUSE server, an NFS/SMB/9p server)
+_SERVED_FS = ("fuse", "nfs", "cifs", "smb3", "9p", "ceph", "glusterfs")
+
+
+def dead_mounts() -> list[str]:
+    """Mountpoints of served filesystems (FUSE, NFS, …) that cannot be reached any more: stat fails with
+    ENOTCONN (a FUSE mount whose server died), ESTALE, EIO … — deepest first. Local filesystems are not
+    stat'ed (nothing to learn), so a slow disk elsewhere does not make this slow."""
+    found = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            head, _, tail = line.partition(b" - ")
+            fstype = tail.split(b" ", 1)[0].decode("utf-8", "surrogateescape")
+            if not fstype.split(".", 1)[0].startswith(_SERVED_FS):
+                continue
+            mp = _unescape(head.split(b" ", 5)[4].decode("utf-8", "surrogateescape"))
+            try:
+                os.stat(mp)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.EACCES, errno.ENOTDIR):
+                    found.append(mp)
+    return sorted(set(found), key=len, reverse=True)
 
 
 def _unescape(s: str) -> str:

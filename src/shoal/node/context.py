@@ -1,9 +1,10 @@
-"""What a backend may use of its node: a small public context, never the Node object itself.
+"""The node's side of shoal.backends.context: the object every backend of this node gets, never the Node.
 
-The node builds one `NodeContext` and hands it to every backend it creates (see
-shoal.backends.registry.create_backend). Everything here is public API of the node's parts
-(admission, agent connections, state locks, records), so a backend that restores VMs or runs a
-service on pooled sandboxes does it through the same doors the node uses.
+The node builds one `NodeContextImpl` and hands it to every backend it creates (see
+shoal.backends.registry.create_backend); backends know it only as the `shoal.backends.context.NodeContext`
+protocol. Everything here is public API of the node's parts (admission, agent connections, state locks,
+records), so a backend that restores VMs or runs a service on pooled sandboxes does it through the same
+doors the node uses.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from shoal.config import NodeConfig, Paths
 from shoal.images.mounts import LayerMounts
@@ -22,26 +23,15 @@ from shoal.node.statelock import SandboxLocks
 from shoal.records import SandboxRecord, check_sandbox_id, my_identity, new_sandbox_id
 
 if TYPE_CHECKING:
-    from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
     from shoal.backends.container.runtime import RuntimeStatus
+    from shoal.backends.context import SandboxHost
     from shoal.models import SandboxInfo
     from shoal.node.network import NetworkManager
-    from shoal.spec import SandboxSpec
 
 
-class SandboxHost(Protocol):
-    """The node's public sandbox API, for services built on ordinary sandboxes (fncall's warm pools)."""
-
-    async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
-    async def close(self, sandbox_id: str) -> None: ...
-    async def client(self, sandbox_id: str) -> AgentClient: ...
-    async def stream(self, sandbox_id: str, cmd: str | list[str], **kw: Any) -> Any: ...
-    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]: ...
-
-
-class NodeContext:
-    """The node's public parts, as a backend sees them."""
+class NodeContextImpl:
+    """The node's public parts, as a backend sees them (implements shoal.backends.context.NodeContext)."""
 
     def __init__(self, *, config: NodeConfig, store: ImageStore, layer_mounts: LayerMounts, guest_dir: Path,
                  admission: Admission, connections: AgentConnections, locks: SandboxLocks,

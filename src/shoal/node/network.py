@@ -216,6 +216,9 @@ def installed_version(family: str) -> int | None:
 class NetworkManager:
     """Creates and removes per-sandbox network namespaces attached to the shoal bridge."""
 
+    #: the bridge's address: every sandbox's router and DNS proxy (backends read it here, not from this module)
+    gateway = GATEWAY
+
     def __init__(self, paths: Paths, node_id: str = "node") -> None:
         self.paths = paths
         self.node_id = node_id

@@ -36,7 +36,7 @@ from shoal.images.store import Image, ImageStore
 from shoal.models import SandboxInfo, StreamEvent
 from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
-from shoal.node.context import NodeContext
+from shoal.node.context import NodeContextImpl
 from shoal.node.dataplane import DataPlane
 from shoal.node.pool import WarmPool
 from shoal.node.recovery import Recovery
@@ -98,7 +98,7 @@ class Node(DataPlane):
         #: bytes the last pause reclaimed, per sandbox paused by this process (the dashboard's "reclaimed")
         self.reclaimed: dict[str, int] = {}
         #: what backends see of this node
-        self.context = NodeContext(
+        self.context = NodeContextImpl(
             config=self.config, store=self.store, layer_mounts=self.layer_mounts, guest_dir=self.guest_dir,
             admission=self.admission, connections=self.connections, locks=self.locks, network=self.network,
             runtime_statuses=lambda: self.runtime_statuses, backend=self.backend, describe=self.describe,

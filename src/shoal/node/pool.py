@@ -29,7 +29,7 @@ from shoal.models import SandboxInfo
 
 if TYPE_CHECKING:
     from shoal.images.store import Image
-    from shoal.node.node import Node
+    from shoal.node.ports import PoolHost
     from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class _Pool:
 class WarmPool:
     """Warm pools of one node, keyed by `pool_key`."""
 
-    def __init__(self, node: Node, refill_concurrency: int = 4) -> None:
+    def __init__(self, node: PoolHost, refill_concurrency: int = 4) -> None:
         self.node = node
         self.refill_concurrency = refill_concurrency
         self.pools: dict[str, _Pool] = {}

@@ -21,7 +21,7 @@ from shoal.records import SandboxRecord, list_records
 
 if TYPE_CHECKING:
     from shoal.models import SandboxInfo
-    from shoal.node.node import Node
+    from shoal.node.ports import RecoveryHost
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ STOP_WAIT_S = 30.0
 class Recovery:
     """Reconcile, adopt and reap the sandboxes of one node (through the node's public API)."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: RecoveryHost) -> None:
         self.node = node
         self._reaper: asyncio.Task[None] | None = None
         self._stopping = False

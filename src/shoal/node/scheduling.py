@@ -52,7 +52,7 @@ from shoal.sched.policy import JobLabels
 if TYPE_CHECKING:
     from shoal.config import Settings
     from shoal.models import SandboxSpec
-    from shoal.node.node import Node
+    from shoal.node.ports import SchedulingHost
     from shoal.records import SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def _meminfo_mb() -> tuple[int, int]:
 class NodeScheduling:
     """See the module docstring. One per Node (`node.scheduling`)."""
 
-    def __init__(self, node: Node, s: Settings | None = None) -> None:
+    def __init__(self, node: SchedulingHost, s: Settings | None = None) -> None:
         from shoal.config import settings
 
         s = s or settings()

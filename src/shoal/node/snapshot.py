@@ -39,7 +39,7 @@ from shoal.models import SandboxInfo
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.node.ports import SnapshotHost
     from shoal.records import SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def max_layers() -> int:
     return MAX_LAYERS
 
 
-def _parent_config(node: Node, rec: SandboxRecord) -> ImageConfig:
+def _parent_config(node: SnapshotHost, rec: SandboxRecord) -> ImageConfig:
     try:
         return ImageConfig.from_dict(node.store.manifest(rec.image_digest).get("config"))
     except (ImageNotFound, InvalidRequest, OSError, ValueError):
@@ -67,7 +67,7 @@ def _parent_config(node: Node, rec: SandboxRecord) -> ImageConfig:
         return cfg
 
 
-def _budget(node: Node, rec: SandboxRecord, squash: bool, store_budget: int | None) -> tuple[int, str]:
+def _budget(node: SnapshotHost, rec: SandboxRecord, squash: bool, store_budget: int | None) -> tuple[int, str]:
     """The most bytes the snapshot's layer may take, and which limit that is (for the message).
 
     A layer holds what the sandbox wrote, and the sandbox could not store more than its disk_mb: the same
@@ -86,7 +86,7 @@ def _budget(node: Node, rec: SandboxRecord, squash: bool, store_budget: int | No
     return limit, why
 
 
-def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any],
+def _squash(node: SnapshotHost, rec: SandboxRecord, upper: Path, source: dict[str, Any],
             budget: tuple[int, str] | None = None) -> Layer:
     """One layer holding the sandbox's whole merged tree (all lowers + the upper). Blocking."""
     lowers = [str(node.layer_mounts.mountpoint(h)) for h in reversed(rec.layers)]
@@ -116,7 +116,7 @@ def _squash(node: Node, rec: SandboxRecord, upper: Path, source: dict[str, Any],
             mnt.rmdir()
 
 
-async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bool | None = None,
+async def snapshot_sandbox(node: SnapshotHost, sandbox_id: str, name: str, *, squash: bool | None = None,
                            compress: str | None = None, store_budget: int | None = None) -> dict[str, Any]:
     """Freeze, pack the writable layer, thaw; tag a new image `name` = parent layers + the diff.
 
@@ -187,7 +187,7 @@ async def snapshot_sandbox(node: Node, sandbox_id: str, name: str, *, squash: bo
     return out
 
 
-async def _thaw_after_snapshot(node: Node, rec: SandboxRecord) -> None:
+async def _thaw_after_snapshot(node: SnapshotHost, rec: SandboxRecord) -> None:
     try:
         await node.backend(rec.backend).resume(rec)
     except ShoalError:
@@ -223,7 +223,7 @@ def fork_image_name(sandbox_id: str) -> str:
     return f"{fork_image_prefix(sandbox_id)}:{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-async def fork_sandbox(node: Node, sandbox_id: str, n: int, *, name: str | None = None,
+async def fork_sandbox(node: SnapshotHost, sandbox_id: str, n: int, *, name: str | None = None,
                        store_budget: int | None = None, **overrides: Any) -> list[SandboxInfo | ShoalError]:
     """`n` independent children from the sandbox's files; per-item errors like create_many.
 

@@ -45,7 +45,7 @@ FREEZE_TIMEOUT_S = 10.0
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
-    from shoal.node.context import NodeContext
+    from shoal.backends.context import NodeContext
 
 # Overlay options: no redirect/metacopy/index so an upper dir is a plain tree we can pack as a layer;
 # volatile skips syncs of the upper (a sandbox never outlives its host, so durability buys nothing).
@@ -331,7 +331,7 @@ class ContainerBackend(Backend):
                 netns = await net.setup(rec, policy, spec.egress_mbps, grants)
                 # every networked sandbox asks the node's DNS proxy (shoal.node.dnsproxy), named in a
                 # resolv.conf of the node's own: no host file (nor its path and device) is bound in
-                resolv = str(self.guestfs.proxy_resolv())
+                resolv = str(self.guestfs.proxy_resolv(net.gateway))
                 crash_point("create.network")
             run_dir = None
             if rt.passes_fds:

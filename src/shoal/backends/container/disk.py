@@ -49,6 +49,39 @@ def _vol_args(name: str) -> bytearray:
     return b
 
 
+#: what mkfs.btrfs says when a mount elsewhere on the host cannot be looked at
+_MOUNT_CHECK_FAILED = "cannot check mount status"
+#: in a private mount namespace: detach the mounts named before the "--", then run the rest
+_DETACH_THEN_EXEC = 'while [ "$1" != -- ]; do umount -l "$1" 2>/dev/null; shift; done; shift; exec "$@"'
+
+
+def _mkfs_btrfs(argv: list[str]) -> None:
+    """Run mkfs.btrfs; when its check of the host's mounts trips over an unrelated dead one, run it again in
+    a private mount namespace without the dead mounts.
+
+    mkfs.btrfs refuses to format a file that is in use, so it looks at every btrfs mount on the host and
+    stats the loop device's backing file behind it; a FUSE mount whose server died (ENOTCONN) or a stale
+    NFS mount on that path makes the check fail, and the whole pool with it, although the mount has nothing
+    to do with the pool. A private mount namespace (`unshare -m`, propagation private) is a copy of the
+    host's mounts that the host never sees: detaching the dead ones there leaves the host as it is, and
+    mkfs.btrfs still checks every live mount."""
+    r = run_sync(argv, timeout=300)
+    if r.returncode == 0:
+        return
+    err = r.stderr.decode(errors="replace").strip()
+    dead = syscalls.dead_mounts() if _MOUNT_CHECK_FAILED in err else []
+    if dead and shutil.which("unshare"):
+        log.warning("mkfs.btrfs could not check the host's mounts (%s); dead mounts on this host: %s — "
+                    "making the pool in a private mount namespace without them", err, ", ".join(dead[:5]))
+        r = run_sync(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _DETACH_THEN_EXEC,
+                      "sh", *dead, "--", *argv], timeout=300)
+        if r.returncode == 0:
+            return
+        err = r.stderr.decode(errors="replace").strip()
+    hint = f" (dead mounts on this host: {', '.join(dead[:5])}; unmount them with umount -l)" if dead else ""
+    raise RuntimeError(f"mkfs.btrfs failed (exit {r.returncode}): {err}{hint}")
+
+
 class UpperPool:
     """Where sandboxes' writable layers live, size-limited when btrfs quotas are available."""
 
@@ -119,8 +152,7 @@ class UpperPool:
             # and a bystander creating a file gets ENOSPC although the guard kept the reserve (measured: 1 GiB
             # pool, 8 MiB of metadata, the 13,038th new file failed). Mixed needs nodesize == sectorsize.
             mixed = ["--mixed"] if size_gb < MIXED_BELOW_GB else []
-            run_sync(["mkfs.btrfs", "-q", "-f", *mixed, "-m", "single", "-n", "4096", str(tmp)], check=True,
-                     timeout=300)
+            _mkfs_btrfs(["mkfs.btrfs", "-q", "-f", *mixed, "-m", "single", "-n", "4096", str(tmp)])
             os.rename(tmp, self.image)
         # nodatacow-free defaults; noatime because agents read a lot
         r = run_sync(["mount", "-o", "loop,noatime", str(self.image), str(self.mountpoint)], timeout=60)

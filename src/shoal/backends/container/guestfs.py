@@ -126,15 +126,13 @@ class GuestFiles:
                 "proc_files": {"/proc/cmdline": str(self.cmdline),
                                "/proc/meminfo": str(self.meminfo(memory_mb, swap_mb))}}
 
-    def proxy_resolv(self) -> Path:
-        """The resolv.conf of sandboxes with an egress allowlist: the node's DNS proxy on the bridge."""
+    def proxy_resolv(self, gateway: str) -> Path:
+        """The resolv.conf of networked sandboxes: the node's DNS proxy on the bridge (at `gateway`)."""
         self.ensure()
         p = self.root / "resolv.proxy.conf"
         if not p.exists():
-            from shoal.node.network import GATEWAY
-
             tmp = p.with_name(f".resolv.{os.getpid()}")
-            tmp.write_text(f"nameserver {GATEWAY}\noptions timeout:2 attempts:2\n")
+            tmp.write_text(f"nameserver {gateway}\noptions timeout:2 attempts:2\n")
             os.chmod(tmp, 0o444)
             os.rename(tmp, p)
         return p

@@ -35,6 +35,7 @@ class SoakParams:
     """How long and how wide the churn is."""
 
     cycles: int = param(100_000, quick=600, help="create/exec/close cycles through the node")
+    budget_s: float = param(0.0, quick=0.0, help="stop shoal's churn after this many seconds (0: no limit)")
     alive: int = param(2_000, quick=100, help="sandboxes kept alive while the churn runs")
     concurrency: int = param(16, quick=8, help="cycles in flight at once")
     sample_every: int = param(1_000, quick=100, help="cycles between two samples")
@@ -128,6 +129,7 @@ async def shoal_soak(ctx: BenchContext, p: SoakParams) -> dict[str, Any]:
     done = 0
     next_sample = 0
     t0 = time.perf_counter()
+    stop_reason = f"reached {p.cycles} cycles"
 
     def sample(phase: str) -> None:
         gc.collect()
@@ -184,8 +186,11 @@ async def shoal_soak(ctx: BenchContext, p: SoakParams) -> dict[str, Any]:
 
         with ctx.task(f"shoal: {p.cycles} create/exec/close cycles, {p.alive} alive", p.cycles) as adv:
             async def worker() -> None:
-                nonlocal next_sample
+                nonlocal next_sample, stop_reason
                 while done < p.cycles:
+                    if p.budget_s > 0 and time.perf_counter() - t0 > p.budget_s:
+                        stop_reason = f"time budget of {p.budget_s:.0f}s used up after {done} cycles"
+                        return
                     await cycle()
                     adv()
                     if done >= next_sample:
@@ -209,7 +214,7 @@ async def shoal_soak(ctx: BenchContext, p: SoakParams) -> dict[str, Any]:
     keys = ["fds", "threads", "rss_mib", "lag_p99_ms", "lag_max_ms", "parsed_records", "admission_live",
             "last_used", "swap_watches"]
     churn = [s for s in samples if s["phase"] in ("ramp", "churn", "end of churn")]
-    return {"cycles": done, "alive": p.alive, "seconds": round(churn_s, 1),
+    return {"cycles": done, "alive": p.alive, "seconds": round(churn_s, 1), "stop_reason": stop_reason,
             "cycles_per_s": round(done / churn_s, 1) if churn_s else None, "errors": len(errors),
             "error_samples": first_errors(errors), "samples": samples,
             "slopes_per_1000": slopes(churn, keys), "first": churn[0] if churn else {},
@@ -289,7 +294,8 @@ async def run(ctx: BenchContext, p: SoakParams) -> ScenarioResult:
     ss, ds = s["slopes_per_1000"], d.get("slopes_per_1000", {})
     dn = f"Docker: {d['cycles']} cycles with {d['alive']} alive ({d['stop_reason']})" if d else ""
     res.add(Metric(f"cycles through one node ({p.alive} alive)", s["cycles"], d.get("cycles"), "", better="higher",
-                   target=f"≥ {p.cycles}", met=s["cycles"] >= p.cycles, note=dn),
+                   target=f"≥ {p.cycles}", met=s["cycles"] >= p.cycles,
+                   note="; ".join(x for x in (f"shoal: {s['stop_reason']}", dn) if x)),
             Metric("cycles/s", s["cycles_per_s"], d.get("cycles_per_s"), "/s", better="higher"),
             Metric("node descriptors: slope per 1,000 sandboxes", ss.get("fds"), ds.get("fds"), "fds",
                    target="≤ 1 (flat)", met=at_most(abs(ss["fds"]) if ss.get("fds") is not None else None, 1.0),

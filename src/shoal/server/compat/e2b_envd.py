@@ -112,8 +112,9 @@ async def process_start(request: Request) -> Response:
             raise RpcError("invalid_argument", "pty size must be 1-65535 rows and cols")
         tag = msg.get("tag")
         procs = table(st)
+        argv = await _string_command_shell(st, sid, [cmd, *args])
         async with common.slot(st, who):
-            p = await procs.start(st, sid, [cmd, *args], env=envs, cwd=cfg.get("cwd") or None, user=_user(request),
+            p = await procs.start(st, sid, argv, env=envs, cwd=cfg.get("cwd") or None, user=_user(request),
                                   timeout=timeout_s(request), tty=pty is not None, stdin=bool(msg.get("stdin")),
                                   tag=tag if isinstance(tag, str) else None, rows=rows, cols=cols)
         q = p.listen()
@@ -121,6 +122,16 @@ async def process_start(request: Request) -> Response:
         return procs.events(p, q, _keepalive(request))
 
     return await server_stream(request, handler)
+
+
+async def _string_command_shell(st: Any, sid: str, argv: list[str]) -> list[str]:
+    """The E2B SDK sends every string command as `/bin/bash -l -c CMD`; in an image without bash (busybox,
+    alpine) that runs with the image's /bin/sh instead, as shoal's own string commands do (NoShell when it
+    has neither). Any other argv, or an image with bash, is left as it is."""
+    if argv[:3] != ["/bin/bash", "-l", "-c"] or len(argv) != 4:
+        return argv
+    shell = await st.node.shell_of(st.node.record(sid))
+    return argv if shell == "/bin/bash" else [shell, "-c", argv[3]]
 
 
 def _keepalive(request: Request) -> float:
