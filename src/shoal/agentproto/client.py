@@ -22,6 +22,7 @@ from shoal.errors import (
     SandboxError,
     Timeout,
 )
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, StreamEvent
 
 from . import frames as F
@@ -248,7 +249,8 @@ class AgentClient:
     # ------------------------------------------------------------------ connection
 
     @classmethod
-    async def connect_unix(cls, path: str, token: str | None = None, timeout: float = 10.0) -> AgentClient:
+    async def connect_unix(cls, path: str, token: str | None = None, timeout: float = AGENT_CONNECT_TIMEOUT_S
+                           ) -> AgentClient:
         """Connect to an agent listening on the Unix socket ``path`` and say hello."""
         try:
             reader, writer = await asyncio.wait_for(

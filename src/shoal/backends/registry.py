@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from shoal.backends.base import Backend
     from shoal.backends.container.runtime import OciRuntime
     from shoal.backends.context import NodeContext
+    from shoal.config import Settings
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class BackendEntry:
     summary: str
     #: gives no isolation (tests only): a node refuses it unless its config enables it
     test_only: bool = False
+    #: the factory builds the class of the VM monitor `pick_vmm` chooses (one of VMMS), not one class of its own
+    on_vmm: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("container", "shoal.backends.container.backend:ContainerBackend",
                  "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
     BackendEntry("microvm", "shoal.backends.microvm:make_microvm_backend",
-                 "QEMU microvm (Firecracker when usable) booting shoal's guest kernel"),
+                 "QEMU microvm (Firecracker when usable) booting shoal's guest kernel", on_vmm=True),
     BackendEntry("vm", "shoal.backends.vm:QemuVmBackend", "a full QEMU q35 VM booting the image's own kernel"),
     BackendEntry("fncall", "shoal.backends.fncall:FncallBackend",
                  "short code runs on warm pools of containers (run_code; no sandboxes of its own)"),
@@ -155,7 +158,7 @@ def vmm_names() -> list[str]:
     return [e.name for e in sorted(VMMS.values(), key=lambda e: e.auto_rank)]
 
 
-def pick_vmm(preference: str) -> tuple[VmmEntry, str]:
+def pick_vmm(preference: str, s: Settings) -> tuple[VmmEntry, str]:
     """The VM monitor microVMs run on, with why: the one named by `preference`, or ("auto") the first in
     `auto_rank` order that says it can run here, else the last one (whose create says what is missing).
     BackendUnavailable when the one asked for by name cannot run."""
@@ -163,22 +166,22 @@ def pick_vmm(preference: str) -> tuple[VmmEntry, str]:
         entry = VMMS.get(preference)
         if entry is None:
             raise InvalidRequest(f"unknown VMM {preference!r}: choose auto, {', '.join(vmm_names())}")
-        ok, why = _load(entry.usable)()
+        ok, why = _load(entry.usable)(s)
         if not ok:
             raise BackendUnavailable(f"SHOAL_VMM={preference}, but it cannot run here: {why} ({entry.install})")
         return entry, f"SHOAL_VMM={preference}: {why}"
     ranked = [VMMS[n] for n in vmm_names()]
     whys = []
     for entry in ranked[:-1]:
-        ok, why = _load(entry.usable)()
+        ok, why = _load(entry.usable)(s)
         if ok:
             return entry, why
         whys.append(why)
     return ranked[-1], "; ".join(whys) or "the only VMM"
 
 
-def make_vmm_backend(ctx: NodeContext, name: str, preference: str) -> Backend:
-    """The backend object for `name` (a microVM kind) on the VMM `preference` picks (see pick_vmm)."""
-    entry, _ = pick_vmm(preference)
+def make_vmm_backend(ctx: NodeContext, name: str) -> Backend:
+    """The backend object for `name` (a microVM kind) on the VMM the node's `vmm` setting picks (pick_vmm)."""
+    entry, _ = pick_vmm(ctx.settings.vmm, ctx.settings)
     backend: Backend = _load(entry.factory)(ctx, name)
     return backend

@@ -17,7 +17,8 @@ class Metric:
     shoal: float | None
     docker: float | None = None
     unit: str = ""
-    #: "lower" or "higher": which direction is better (decides how the ratio is read)
+    #: "lower" or "higher": which direction is better (decides how the ratio is read); "neither": no ratio
+    #: (a slope near zero, where either sign is as good)
     better: str = "lower"
     #: the issue's target as text, e.g. "≤ 15 ms"; `met` is whether shoal's value meets it
     target: str = ""
@@ -26,7 +27,9 @@ class Metric:
 
     @property
     def advantage(self) -> float | None:
-        """How many times better shoal is than Docker (>1: shoal better)."""
+        """How many times better shoal is than Docker (>1: shoal better); None when a ratio says nothing."""
+        if self.better == "neither":
+            return None
         if self.better == "higher":
             return ratio(self.shoal, self.docker)
         return ratio(self.docker, self.shoal)

@@ -115,14 +115,17 @@ class NodeAgent:
 
     def __init__(self, node_id: str, home: str | None = None, store: str | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None) -> None:
+        from shoal import config
         from shoal.cluster.raylink import check_node_id
 
-        for k, v in (env or {}).items():
-            os.environ[k] = v
-        from shoal.config import Paths
-
         self.node_id = check_node_id(node_id)
-        self.home = Path(home) if home else Paths.from_env().home
+        # `env` holds settings (SHOAL_*=…, from `shoal cluster up --env`): resolved once, here at the agent's
+        # edge, over the worker's own environment, and injected (the node's config; settings() for the rest
+        # of this actor process) — never written into os.environ
+        #: this agent's settings
+        self.settings = config.Settings.load(env={**os.environ, **(env or {})})
+        config.use(self.settings)
+        self.home = Path(home) if home else self.settings.paths().home
         self.store = store
         self.host = host
         self.node: Any = None
@@ -160,7 +163,7 @@ class NodeAgent:
         from shoal.node.node import Node
 
         paths = Paths.from_env(self.home, self.store)
-        node = Node(NodeConfig(paths=paths, node_id=self.node_id))
+        node = Node(NodeConfig(settings=self.settings, paths=paths, node_id=self.node_id))
         await node.start()
         # probe the container runtimes now, off the event loop (state reports them; creates need them)
         await asyncio.to_thread(lambda: node.runtime_statuses)

@@ -26,13 +26,15 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentbin import find_agent_binary
 from shoal.backends.base import Backend, Capability
 from shoal.backends.registry import create_backend
-from shoal.config import NodeConfig, settings
+from shoal.config import NodeConfig
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
+from shoal.faults import configure as configure_faults
 from shoal.faults import crash_point
 from shoal.fsutil import sha256_file
 from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S, AGENT_READY_TIMEOUT_S, MAX_BATCH
 from shoal.models import SandboxInfo, StreamEvent
 from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
@@ -54,8 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: largest n of one create_many or fork
-MAX_BATCH = 100_000
 #: closes run at once by close_all / close_many (a close mostly waits: for a killed init, a cgroup, an unmount)
 CLOSE_CONCURRENCY = 64
 
@@ -65,6 +65,10 @@ class Node(DataPlane):
 
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()
+        configure_faults(self.config.settings.fault)
+        from shoal.backends.container.runtime import use_sealed
+
+        use_sealed(self.config.settings.sealed_runtime)
         self.paths = self.config.paths
         self.store = ImageStore(self.paths.store)
         self._image_shells: dict[str, str] = {}
@@ -94,7 +98,7 @@ class Node(DataPlane):
         from shoal.node.events import EventLog
 
         #: what happened to each sandbox, and the commands it ran ($SHOAL_HOME/events; shoal.node.events)
-        self.events = EventLog.from_settings(self.paths.home, self.config.node_id)
+        self.events = EventLog.from_settings(self.paths.home, self.config.node_id, self.config.settings)
         #: bytes the last pause reclaimed, per sandbox paused by this process (the dashboard's "reclaimed")
         self.reclaimed: dict[str, int] = {}
         #: what backends see of this node
@@ -221,7 +225,7 @@ class Node(DataPlane):
         if self._network is None:
             from shoal.node.network import NetworkManager
 
-            self._network = NetworkManager(self.paths, self.config.node_id)
+            self._network = NetworkManager(self.paths, self.config.node_id, self.config.settings)
         return self._network
 
     def check_egress(self, spec: SandboxSpec) -> None:
@@ -232,9 +236,10 @@ class Node(DataPlane):
             return
         from shoal.egress import check_network, check_policy, grants_for
 
-        policy = check_network(spec.network, settings().egress_sets)
+        s = self.config.settings
+        policy = check_network(spec.network, s.egress_sets)
         if policy is not None and policy.cidrs:
-            check_policy(policy, grants_for(spec.egress_grants, settings().egress_allow), self.network().blocked_nets(),
+            check_policy(policy, grants_for(spec.egress_grants, s.egress_allow), self.network().blocked_nets(),
                          who=f"project {spec.project!r}")
 
     def backend(self, name: str) -> Backend:
@@ -375,7 +380,7 @@ class Node(DataPlane):
             crash_point("create.record")
             await backend.create(rec, spec, image)
             try:
-                client = await backend.connect(rec, timeout=30.0)
+                client = await backend.connect(rec, timeout=AGENT_READY_TIMEOUT_S)
             except Exception as e:
                 with contextlib.suppress(Exception):
                     await backend.destroy(rec)
@@ -618,7 +623,7 @@ class Node(DataPlane):
             # requests to many sandboxes at once (an exec in each of 10,000): do not wait SHOAL_AGENT_IDLE_S
             # to give back the connections they are done with
             await self.connections.sweep(idle_s=1.0)
-        return await self.connections.connect(rec, backend, timeout=10.0)
+        return await self.connections.connect(rec, backend, timeout=AGENT_CONNECT_TIMEOUT_S)
 
     async def call(self, rec: SandboxRecord, fn: Callable[[AgentClient], Any]) -> Any:
         """Run `fn(client)`; a lost connection is reported as the sandbox having died, when it has."""

@@ -114,7 +114,7 @@ class Recovery:
                     remove_sandbox_dir(Path(entry.path))
         with contextlib.suppress(Exception):
             # writable layers whose sandbox directory is gone (crash before the first record, reboot)
-            pool = UpperPool(node.paths)
+            pool = UpperPool(node.paths, node.config.settings)
             try:
                 pool.sweep_orphans(node.paths.sandboxes)
                 if pool.enforced:

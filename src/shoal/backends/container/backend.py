@@ -28,7 +28,6 @@ from shoal.backends.container.reclaim import drop_working_set, prefetch_before_t
 from shoal.backends.container.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.backends.container.volatile import VolatileDirs, remove_sandbox_dir
 from shoal.backends.registry import make_runtime
-from shoal.config import settings
 from shoal.egress import check_network, grants_for
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.faults import crash_point
@@ -36,6 +35,7 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
@@ -153,10 +153,10 @@ class ContainerBackend(Backend):
         self.layer_mounts = ctx.layer_mounts
         self.guest_dir = ctx.guest_dir
         self.default_runtime = ctx.config.runtime
-        self.upper_pool = UpperPool(ctx.paths)
+        self.upper_pool = UpperPool(ctx.paths, ctx.settings)
         self._runtimes: dict[str, OciRuntime] = {}
         # sandbox directories (record, bundle, socket) in memory: see shoal.backends.container.volatile
-        self.volatile = VolatileDirs(ctx.paths)
+        self.volatile = VolatileDirs(ctx.paths, enabled=ctx.settings.sandbox_tmpfs)
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
@@ -168,7 +168,7 @@ class ContainerBackend(Backend):
         #: keeps the upper pool's reserve for bystanders while this process has sandboxes (disk_guard.py)
         self._disk_guard: asyncio.Task | None = None
         #: sandboxes swapping past their memory limit run as batch while they do (shoal.backends.container.swapwatch)
-        self.swap_watch = swapwatch.SwapWatch() if settings().swap_demote and swapwatch.supported() else None
+        self.swap_watch = swapwatch.SwapWatch() if ctx.settings.swap_demote and swapwatch.supported() else None
         self._cpu_own: dict[str, str] = {}  # the class each watched sandbox returns to
         self._cpu_moves: dict[str, asyncio.Task] = {}  # its last class change, while it runs
 
@@ -208,7 +208,7 @@ class ContainerBackend(Backend):
         hit = self._swap_cache.get(memory_mb)
         if hit is not None and now - hit[0] < 1.0:
             return hit[1]
-        val = sandbox_swap_mb(memory_mb)
+        val = sandbox_swap_mb(memory_mb, self.ctx.settings.sandbox_swap)
         self._swap_cache[memory_mb] = (now, val)
         return val
 
@@ -323,11 +323,11 @@ class ContainerBackend(Backend):
             resolv = None
             if spec.network:
                 net = self.ctx.network()
-                policy = check_network(spec.network, settings().egress_sets)
+                policy = check_network(spec.network, self.ctx.settings.egress_sets)
                 # network=True: the protected destinations the operator's policy grants (shoal.egress);
                 # an allowlist reaches what its rules name (checked against the policy by Node.create)
                 grants = None if policy is not None else grants_for(
-                    spec.egress_grants, settings().egress_allow).boxes(net.blocked_nets())
+                    spec.egress_grants, self.ctx.settings.egress_allow).boxes(net.blocked_nets())
                 netns = await net.setup(rec, policy, spec.egress_mbps, grants)
                 # every networked sandbox asks the node's DNS proxy (shoal.node.dnsproxy), named in a
                 # resolv.conf of the node's own: no host file (nor its path and device) is bound in
@@ -425,7 +425,7 @@ class ContainerBackend(Backend):
             client = await task
             await client.close()
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
         if rec.extra.get("projid"):
             self._ensure_guard()
