@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -305,12 +306,22 @@ class NodeAgent:
         if op not in CONTROL_OPS:
             return _err(InvalidRequest(f"unknown node operation {op!r}"))
         try:
-            res = await getattr(self.node, op)(sandbox_id, *args, **(kw or {}))
+            res = await self._control_op(op)(sandbox_id, *args, **(kw or {}))
         except Exception as e:
             return _err(e)
         if op in ("close", "fork"):
             self._state_cache = None
         return _ok(res)
+
+    def _control_op(self, op: str) -> Callable[..., Awaitable[Any]]:
+        """The node's front operation named `op` (one of CONTROL_OPS): an explicit table, not a lookup by name."""
+        n = self.node
+        ops: dict[str, Callable[..., Awaitable[Any]]] = {
+            "get": n.get, "close": n.close, "pause": n.pause, "resume": n.resume, "snapshot": n.snapshot,
+            "fork": n.fork, "exec": n.exec, "read_file": n.read_file, "write_file": n.write_file,
+            "list_dir": n.list_dir, "shell_open": n.shell_open, "shell_run": n.shell_run,
+            "shell_close": n.shell_close}
+        return ops[op]
 
     # ---- the cluster's own addresses, out of sandboxes' reach ---------------------------------------
     async def _block_cluster_addresses(self) -> None:

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from shoal.agentbin import find_agent_binary
 from shoal.backends.base import Backend, Capability
@@ -61,7 +61,11 @@ CLOSE_CONCURRENCY = 64
 
 
 class Node(DataPlane):
-    """One host's sandboxes. Use `async with Node() as node:` or call start()/stop()."""
+    """One host's sandboxes. Use `async with Node() as node:` or call start()/stop(). Implements the front
+    protocol (shoal.front.Front) the server, compat APIs and transports use."""
+
+    #: shoal.front.Front.kind: records and admission are here
+    kind: Literal["node", "cluster"] = "node"
 
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()
@@ -279,6 +283,10 @@ class Node(DataPlane):
         """The on-disk record of a sandbox (SandboxNotFound when there is none)."""
         check_sandbox_id(sandbox_id)
         return SandboxRecord.load(self.paths.sandboxes / sandbox_id)
+
+    async def record_async(self, sandbox_id: str) -> SandboxRecord:
+        """`record` (shoal.front.Front: a gateway may have to ask a node; a node has its records here)."""
+        return self.record(sandbox_id)
 
     def describe(self, rec: SandboxRecord) -> SandboxInfo:
         """The SandboxInfo of a record, with its backend's facts in `extra`."""

@@ -89,7 +89,7 @@ class Metrics:
                                 ["method", "route", "status"], registry=r)
         self.request_seconds = Histogram("shoal_api_request_seconds", "API request latency by route",
                                          ["method", "route"], buckets=_LAT, registry=r)
-        if hasattr(node, "admission"):  # a cluster gateway's front has no records of its own: its nodes report
+        if node.kind == "node":  # a cluster gateway's front has no records of its own: its nodes report
             r.register(_NodeCollector(node, limiter))
 
 

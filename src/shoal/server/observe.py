@@ -564,4 +564,4 @@ def _sum_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def view_for(st: ServerState) -> NodeView | ClusterView:
     """The view of a server's node front (see the module doc)."""
-    return NodeView(st) if hasattr(st.node, "admission") else ClusterView(st)
+    return NodeView(st) if st.node.kind == "node" else ClusterView(st)
