@@ -542,6 +542,8 @@ class Settings:
     api_max_request_bytes: int = setting(8 << 20, "api", "largest JSON request body (exec stdin travels in it)",
                                          integer(1), default_doc="8 MiB")
     api_max_upload_bytes: int = setting(64 << 20, "api", "largest file upload", integer(1), default_doc="64 MiB")
+    api_max_uploads: int = setting(4, "api", "SWE-ReX uploads of one token written into sandboxes at once (each "
+                                   "holds one 256 KiB chunk in the server; more wait)", integer(1, 1024))
     api_max_import_bytes: int = setting(16 << 30, "api", "largest image tarball upload", integer(1),
                                         default_doc="16 GiB")
     api_header_timeout: float = setting(10.0, "api", "seconds a client may take to send its request headers",

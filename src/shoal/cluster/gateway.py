@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -251,6 +252,15 @@ class ClusterFront:
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file in the sandbox."""
         await self.transport.write_file(sandbox_id, path, data, mode)
+
+    async def write_file_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes],
+                                mode: int = 0o644) -> None:
+        """Write a file from chunks. The cluster transport sends whole files: the gateway joins the chunks
+        first, so here a file is held once in memory (the node's own write streams)."""
+        data = bytearray()
+        async for chunk in chunks:
+            data += chunk
+        await self.transport.write_file(sandbox_id, path, bytes(data), mode)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
         """List a directory in the sandbox."""

@@ -8,7 +8,7 @@ control plane (create, close, pause, snapshot). `Node` mixes this class in; it s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest
@@ -161,6 +161,24 @@ class DataPlane:
         if len(data) > self.config.max_file_bytes:
             raise InvalidRequest(f"file too large ({len(data)} bytes > {self.config.max_file_bytes})")
         await self.call(rec, lambda c: c.write_file(path, bytes(data), mode=mode))
+
+    async def write_file_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes],
+                                mode: int = 0o644) -> None:
+        """Write a file in the sandbox from chunks as they come (atomically; parent directories are created):
+        the node holds one chunk at a time. More than the node's largest file is refused (InvalidRequest)."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        cap = self.config.max_file_bytes
+
+        async def bounded() -> AsyncIterator[bytes]:
+            total = 0
+            async for chunk in chunks:
+                total += len(chunk)
+                if total > cap:
+                    raise InvalidRequest(f"file too large (more than {cap} bytes)")
+                yield chunk
+
+        await self.call(rec, lambda c: c.write_file_stream(path, bounded(), mode=mode))
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
         """List a directory in the sandbox."""
