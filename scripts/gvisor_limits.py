@@ -1,6 +1,9 @@
 """Measure what a gVisor sandbox takes of the host past its limits (issue 23, item 10).
 
-    SHOAL_HOME=$(mktemp -d) .venv/bin/python scripts/gvisor_limits.py
+    SHOAL_HOME=$(mktemp -d) SHOAL_STORE=/var/lib/shoal/store SHOAL_PULL_POLICY=never \
+        .venv/bin/python scripts/gvisor_limits.py
+
+(a store that has `base`, and no pull: a fresh home's own store would ask Docker Hub for `base`)
 
 A memory_mb=256 sandbox allocates (and touches) 2.6 GiB in 100 MiB steps: the peak PSS of the sandbox's
 host processes (runsc-sandbox, its stubs, runsc-gofer) is sampled every 0.2 s. A pids=128 sandbox forks

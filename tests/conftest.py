@@ -75,10 +75,10 @@ def shoal_home() -> Iterator[Path]:
     yield home
     if IS_ROOT:
         from shoal.backends.container.disk import UpperPool
-        from shoal.config import Paths
+        from shoal.config import Paths, settings
         from shoal.node.teardown import stop_readers
 
-        UpperPool(Paths.from_env(home)).teardown()
+        UpperPool(Paths.from_env(home), settings()).teardown()
         stop_readers(Paths.from_env(home))  # the layer readers of stores the session used
     leaks = _mounts_under(str(home))
     for k, v in old.items():

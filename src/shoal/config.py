@@ -35,6 +35,7 @@ from typing import Any
 
 from shoal.backends.registry import RUNTIMES, VMMS
 from shoal.errors import InvalidRequest
+from shoal.limits import MAX_HTTP_BATCH
 
 PREFIX = "SHOAL_"
 #: read when SHOAL_CONFIG is not set (and only if it exists)
@@ -541,6 +542,8 @@ class Settings:
     api_max_request_bytes: int = setting(8 << 20, "api", "largest JSON request body (exec stdin travels in it)",
                                          integer(1), default_doc="8 MiB")
     api_max_upload_bytes: int = setting(64 << 20, "api", "largest file upload", integer(1), default_doc="64 MiB")
+    api_max_uploads: int = setting(4, "api", "SWE-ReX uploads of one token written into sandboxes at once (each "
+                                   "holds one 256 KiB chunk in the server; more wait)", integer(1, 1024))
     api_max_import_bytes: int = setting(16 << 30, "api", "largest image tarball upload", integer(1),
                                         default_doc="16 GiB")
     api_header_timeout: float = setting(10.0, "api", "seconds a client may take to send its request headers",
@@ -554,7 +557,8 @@ class Settings:
     api_max_inflight: int = setting(1024, "api", "requests (and streams) in progress per token", integer(1))
     api_max_queued: int = setting(4096, "api", "requests per token waiting for a slot; beyond: 429", integer(0))
     api_create_concurrency: int = setting(32, "api", "sandboxes the server creates at once (others queue)", integer(1))
-    api_max_batch: int = setting(4096, "api", "largest n of one batch create or fork", integer(1, 4096))
+    api_max_batch: int = setting(MAX_HTTP_BATCH, "api", "largest n of one batch create or fork",
+                                 integer(1, MAX_HTTP_BATCH))
     api_allowed_hosts: tuple[str, ...] = setting((), "api", "host names a server without tokens answers to besides "
                                                  "IP addresses and localhost (`*.example.lan` for every name under "
                                                  "it; guards against DNS rebinding)", NAMES_OR_EMPTY,
@@ -901,10 +905,32 @@ def _env_key() -> object:
     return [(k, v) for k, v in os.environ.items() if k.startswith(PREFIX)]
 
 
+#: the settings an edge resolved for this whole process (see use()); None: read the environment
+_pinned: Settings | None = None
+
+
+def use(s: Settings | None) -> Settings | None:
+    """Make `s` this process's settings: `settings()` returns it from now on, whatever the environment says
+    (an edge that resolved the settings from something other than os.environ — a cluster agent's arguments,
+    a bench run's store — injects them this way instead of writing os.environ). None goes back to reading
+    the environment. Returns the settings pinned before (to restore them)."""
+    global _pinned
+    prev, _pinned = _pinned, s
+    return prev
+
+
+def pinned() -> Settings | None:
+    """The settings an edge pinned with use() (None: settings() reads the environment)."""
+    return _pinned
+
+
 def settings() -> Settings:
     """This process's settings (defaults < file < environment), loaded on first use and again whenever the
-    SHOAL_* environment changes (tests set variables). Code given a Settings object uses that instead."""
+    SHOAL_* environment changes (tests set variables), or the ones an edge pinned with use(). Code given a
+    Settings object (a node's config, a backend's context) uses that instead."""
     global _cache
+    if _pinned is not None:
+        return _pinned
     key = _env_key()
     cached = _cache
     if cached is not None and cached[0] == key:
@@ -960,30 +986,50 @@ class Paths:
         return self.home / "run"
 
 
+#: a NodeConfig field left at this default takes its value from the config's Settings (see NODE_SETTINGS)
+FROM_SETTINGS: Any = type("FromSettings", (), {"__repr__": lambda self: "FROM_SETTINGS"})()
+
+#: NodeConfig field -> the setting it is derived from (one table: the only place the two names meet)
+NODE_SETTINGS: dict[str, str] = {
+    "node_id": "node_id", "runtime": "runtime", "memory_overcommit": "memory_overcommit",
+    "min_free_memory_mb": "min_free_mb", "admission_psi_full": "admission_psi_full",
+    "host_reserve_mb": "host_reserve_mb", "node_oom_score_adj": "node_oom_score_adj",
+    "node_memory_min_mb": "node_memory_min_mb", "reclaim_on_pause": "reclaim", "prefetch_on_resume": "prefetch",
+    "zram_swap": "zram_swap", "agent_idle_s": "agent_idle_s", "warm_pool": "warm_pool", "posix_sh": "sh",
+    "fake_backend": "fake_backend",
+}
+
+
 @dataclass
 class NodeConfig:
-    """Tunables of a node agent. Unset fields come from the settings when the config is made (not at import);
-    `NodeConfig.from_settings(s)` builds one from an explicit Settings object."""
+    """Tunables of a node agent, derived from one resolved `Settings` (`settings`) plus explicit overrides.
 
-    paths: Paths = field(default_factory=lambda: settings().paths())
+    The edge that makes a node (CLI, server, cluster agent, bench, a test) resolves the settings once and
+    passes them here; the node and its backends read `config.settings` and never the environment. Without
+    `settings` the process's settings at the time the config is made are used. Fields named in
+    NODE_SETTINGS default to their setting; the others are node-internal knobs."""
+
+    #: every setting, resolved once at the edge (node/ and backends/ read this, never `settings()`)
+    settings: Settings = field(default_factory=lambda: settings())
+    paths: Paths = FROM_SETTINGS
     #: node name encoded in sandbox IDs (short, [a-z0-9-])
-    node_id: str = field(default_factory=lambda: settings().node_id)
+    node_id: str = FROM_SETTINGS
     #: preferred container runtime: "auto" | "crun" | "runc" | "gvisor"
-    runtime: str = field(default_factory=lambda: settings().runtime)
+    runtime: str = FROM_SETTINGS
     #: max sandboxes created at once by one create_many (bounded parallelism)
     create_concurrency: int = 32
     #: refuse new sandboxes when committed memory exceeds this multiple of host RAM
-    memory_overcommit: float = field(default_factory=lambda: settings().memory_overcommit)
+    memory_overcommit: float = FROM_SETTINGS
     #: refuse new sandboxes when the host's available memory would fall below this (MiB)
-    min_free_memory_mb: int = field(default_factory=lambda: settings().min_free_mb)
+    min_free_memory_mb: int = FROM_SETTINGS
     #: refuse new sandboxes while PSI memory full avg10 is above this (percent; 0 = ignore PSI)
-    admission_psi_full: float = field(default_factory=lambda: settings().admission_psi_full)
+    admission_psi_full: float = FROM_SETTINGS
     #: memory kept out of the sandboxes' parent cgroup for the host and the node (MiB; 0 = auto)
-    host_reserve_mb: int = field(default_factory=lambda: settings().host_reserve_mb)
+    host_reserve_mb: int = FROM_SETTINGS
     #: the node agent's own OOM score (None: leave it); see shoal.node.protect
-    node_oom_score_adj: int | None = field(default_factory=lambda: settings().node_oom_score_adj)
+    node_oom_score_adj: int | None = FROM_SETTINGS
     #: cgroup v2: memory.min of the node agent's own cgroup (MiB)
-    node_memory_min_mb: int = field(default_factory=lambda: settings().node_memory_min_mb)
+    node_memory_min_mb: int = FROM_SETTINGS
     #: protect the host at start (sandboxes' parent cgroup limit, OOM scores); off for unit tests' fake nodes
     protect_host: bool = True
     #: how often the reaper looks for expired or dead sandboxes (seconds)
@@ -991,31 +1037,30 @@ class NodeConfig:
     #: largest file read_file returns in one call (bytes)
     max_file_bytes: int = 256 << 20
     #: reclaim a sandbox's memory after pausing it (page cache always; anonymous memory when swap is on)
-    reclaim_on_pause: bool = field(default_factory=lambda: settings().reclaim)
+    reclaim_on_pause: bool = FROM_SETTINGS
     #: record the working set at pause and read it back before the thaw (faster first request)
-    prefetch_on_resume: bool = field(default_factory=lambda: settings().prefetch)
+    prefetch_on_resume: bool = FROM_SETTINGS
     #: compressed swap in RAM (zram) set up when the node starts and the host has none: "auto" (half the RAM,
     #: at most 8 GiB), a size such as "8G", or "off"/None (leave swap alone); see shoal.backends.container.swap
-    zram_swap: str | None = field(default_factory=lambda: settings().zram_swap)
+    zram_swap: str | None = FROM_SETTINGS
     #: close an agent connection unused this long (s; 0 = never): see shoal.node.connections
-    agent_idle_s: float = field(default_factory=lambda: settings().agent_idle_s)
+    agent_idle_s: float = FROM_SETTINGS
     #: sandboxes kept ready per image from the start ({"base": 16}); Node.set_warm_pool changes it later
-    warm_pool: dict[str, int] = field(default_factory=lambda: dict(settings().warm_pool))
+    warm_pool: dict[str, int] = FROM_SETTINGS
     #: string commands run with /bin/sh -c instead of /bin/bash -c (images without bash)
-    posix_sh: bool = field(default_factory=lambda: settings().sh)
+    posix_sh: bool = FROM_SETTINGS
     #: allow the "fake" backend (NO isolation: sandboxes are plain processes of this user; unit tests only)
-    fake_backend: bool = field(default_factory=lambda: settings().fake_backend)
+    fake_backend: bool = FROM_SETTINGS
+
+    def __post_init__(self) -> None:
+        if self.paths is FROM_SETTINGS:
+            self.paths = self.settings.paths()
+        for name, key in NODE_SETTINGS.items():
+            if getattr(self, name) is FROM_SETTINGS:
+                value = getattr(self.settings, key)
+                setattr(self, name, dict(value) if isinstance(value, Mapping) else value)
 
     @classmethod
     def from_settings(cls, s: Settings, **overrides: Any) -> "NodeConfig":
         """A NodeConfig whose fields come from `s` (keyword arguments win)."""
-        kw: dict[str, Any] = {"paths": s.paths(), "node_id": s.node_id, "runtime": s.runtime,
-                              "memory_overcommit": s.memory_overcommit, "min_free_memory_mb": s.min_free_mb,
-                              "admission_psi_full": s.admission_psi_full, "host_reserve_mb": s.host_reserve_mb,
-                              "node_oom_score_adj": s.node_oom_score_adj, "node_memory_min_mb": s.node_memory_min_mb,
-                              "reclaim_on_pause": s.reclaim, "prefetch_on_resume": s.prefetch,
-                              "zram_swap": s.zram_swap, "agent_idle_s": s.agent_idle_s,
-                              "warm_pool": dict(s.warm_pool), "posix_sh": s.sh,
-                              "fake_backend": s.fake_backend}
-        kw.update(overrides)
-        return cls(**kw)
+        return cls(settings=s, **overrides)

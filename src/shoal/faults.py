@@ -32,27 +32,24 @@ STEPS = (
     "close.network",     # its writable layer and network are gone; its directory is not
 )
 
-_UNSET = object()
-#: None (no faults), a probability (random:P) or step patterns; _UNSET until the first crash_point()
-_config: float | list[str] | object | None = _UNSET
+#: None (no faults), a probability (random:P) or step patterns; set by configure() (a Node does it from its
+#: settings' `fault` when it is made: the process's one node decides)
+_config: float | list[str] | None = None
 
 
-def _load() -> float | list[str] | None:
-    from shoal.config import settings
-
-    spec = settings().fault
+def configure(spec: str | None) -> None:
+    """Select the crash steps (the `fault` setting's value; None or "" turns fault injection off)."""
+    global _config
     if not spec:
-        return None
-    if spec.startswith("random:"):
-        return float(spec.split(":", 1)[1])
-    return [p.strip() for p in spec.split(",") if p.strip()]
+        _config = None
+    elif spec.startswith("random:"):
+        _config = float(spec.split(":", 1)[1])
+    else:
+        _config = [p.strip() for p in spec.split(",") if p.strip()]
 
 
 def crash_point(step: str) -> None:
-    """SIGKILL this process if SHOAL_FAULT selects `step` (see the module docstring)."""
-    global _config
-    if _config is _UNSET:
-        _config = _load()
+    """SIGKILL this process if the configured `fault` setting selects `step` (see the module docstring)."""
     cfg = _config
     if isinstance(cfg, float):
         hit = random.random() < cfg
@@ -62,9 +59,3 @@ def crash_point(step: str) -> None:
         return
     if hit:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def reset() -> None:
-    """Read SHOAL_FAULT again at the next step (tests that change it in-process)."""
-    global _config
-    _config = _UNSET

@@ -23,6 +23,22 @@ DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
 DEFAULT_TTL_S = 3600.0
 DEFAULT_PROJECT = "default"
 
+# ---- batches: the largest `n` of one create_many / fork / restore, per door (each defined here only)
+#: on a node, and through the cluster gateway (the SDK's embedded and cluster transports)
+MAX_BATCH = 100_000
+#: in one HTTP request (the api_max_batch setting may lower it; the server schema's upper bound)
+MAX_HTTP_BATCH = 4096
+#: run_code requests in one batch request of the SandboxFusion-style API (shoal.server.fusion)
+MAX_RUN_CODE_BATCH = 10_000
+#: VMs resumed from one memory snapshot or fork at once (each copies the VM's disks)
+MAX_VM_BATCH = 1000
+
+# ---- the in-sandbox agent's connection
+#: how long a new (or restored) sandbox's agent may take to answer after its start (boot, first exec)
+AGENT_READY_TIMEOUT_S = 30.0
+#: how long (re)connecting to a running sandbox's agent may take
+AGENT_CONNECT_TIMEOUT_S = 10.0
+
 # ---- sandbox spec: ranges (inclusive)
 CPUS_RANGE = (0.01, 256.0)
 MEMORY_MB_RANGE = (16, 1 << 20)

@@ -13,11 +13,14 @@ import secrets
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest, SandboxNotFound
 from shoal.fsutil import read_json
 from shoal.limits import check_labels
+
+if TYPE_CHECKING:
+    from shoal.spec import SandboxSpec
 
 _B32 = "abcdefghijklmnopqrstuvwxyz234567"
 
@@ -105,6 +108,22 @@ class SandboxRecord:
     def path(self) -> Path:
         """The sandbox directory."""
         return Path(self.dir)
+
+    @property
+    def typed_spec(self) -> SandboxSpec:
+        """The sandbox's spec as the typed shoal.spec.SandboxSpec (`spec` is its plain form, as saved). Read
+        fields here, not with `spec.get(...)`. Built without validating again (the spec was checked when the
+        sandbox was made; keys this version does not know are left out) and cached until `spec` is replaced
+        (assign a new dict to change it, never edit it in place)."""
+        cached = self.__dict__.get("_typed_spec")
+        if cached is not None and cached[0] is self.spec:
+            return cached[1]  # type: ignore[no-any-return]
+        from shoal.spec import SandboxSpec
+
+        known = SandboxSpec.model_fields
+        typed = SandboxSpec.model_construct(**{k: v for k, v in self.spec.items() if k in known})
+        self.__dict__["_typed_spec"] = (self.spec, typed)
+        return typed
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON-able data (shallow copies of its dicts and lists)."""

@@ -11,15 +11,26 @@ paths (`import shoal`, the CLI) import it only when they build a spec (`shoal.Sa
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from shoal import limits as L
 from shoal.backends.container.cpuclass import CPU_CLASSES, DEFAULT_CPU_CLASS, check_cpu_class
 from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
 from shoal.errors import InvalidRequest
-from shoal.images.reference import NEW_NAME_PATTERN, REFERENCE_PATTERN
+from shoal.images.reference import NAME_LENGTH_PATTERN, NAME_MAX, NEW_NAME_PATTERN, REFERENCE_MAX, REFERENCE_PATTERN
 
 # ---- field types (the HTTP schemas use them too)
 #: environment variable names: no '=' and no NUL; values: no NUL
@@ -31,8 +42,22 @@ LabelValue = Annotated[str, StringConstraints(max_length=1024)]
 #: a path inside the sandbox (absolute, or relative to the workdir); no NUL
 SandboxPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
 #: an image reference as Docker writes it (`python:3.12`, `ghcr.io/org/img:tag@sha256:…`) or a shoal name;
-#: the pattern is a first filter, shoal.images.reference.parse_reference has the last word
-ImageRef = Annotated[str, StringConstraints(max_length=400, pattern=REFERENCE_PATTERN)]
+#: the pattern is a first filter, shoal.images.reference.parse_reference has the last word. The schema holds both
+#: patterns (the grammar, and the repository name's length) and validation checks both: a text the schema allows
+#: is not refused for its length (schemathesis found 300-character names the schema allowed and the parser refused)
+_NAME_LENGTH = re.compile(NAME_LENGTH_PATTERN)
+
+
+def _name_fits(v: str) -> str:
+    if not _NAME_LENGTH.match(v):
+        raise ValueError(f"the repository name (before any :tag or @digest) must be at most {NAME_MAX} characters")
+    return v
+
+
+ImageRef = Annotated[str, StringConstraints(max_length=REFERENCE_MAX, pattern=REFERENCE_PATTERN),
+                     AfterValidator(_name_fits),
+                     WithJsonSchema({"type": "string", "maxLength": REFERENCE_MAX, "pattern": REFERENCE_PATTERN,
+                                     "allOf": [{"pattern": NAME_LENGTH_PATTERN}]})]
 #: the name of a new image: name[:tag]
 NEW_IMAGE_RE = NEW_NAME_PATTERN
 #: a user inside the sandbox (name or uid)

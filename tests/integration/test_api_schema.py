@@ -35,9 +35,10 @@ CONFIG = """
 enabled = true
 max_response_time = 3600
 
-# a corrupt or empty tarball is schema-valid bytes, rightly refused as 422 (semantic validation)
+# a corrupt or empty tarball (an image to import, a Dockerfile's build context) is schema-valid bytes, rightly
+# refused as 422: no schema says "a tar archive"
 [[operations]]
-include-operation-id = "import_image"
+include-operation-id = ["import_image", "build_dockerfile_image"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", 401, 403, 404, 409, 422, 429, "5xx"]
 
 # state-dependent validation that no schema can express: a VM backend's memory minimum (create), a user or
@@ -46,6 +47,14 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", 401, 403, 404, 409, 
 [[operations]]
 include-operation-id = ["create_sandbox", "create_sandboxes", "exec_command", "open_shell", "run_in_shell"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", 401, 403, 404, 409, 422, 429, "5xx"]
+
+# a pull asks a registry; this test's server has none that answers (every registry is mirrored to a closed
+# loopback port, no fallback: nothing leaves the machine), and an unreachable registry is the contract's
+# 502 registry_unavailable (a gateway error, documented for this operation), not a server fault
+[[operations]]
+include-operation-id = "pull_image"
+checks.not_a_server_error.expected-statuses = ["1xx", "2xx", "3xx", "4xx", 502]
+checks.positive_data_acceptance.expected-statuses = ["2xx", 401, 403, 404, 409, 429, "5xx"]
 
 # a recipe whose random command fails is an ImageBuildError (422) by design
 [[operations]]
@@ -92,15 +101,26 @@ def _cleanup(srv: ServerProcess, home: Path) -> None:
     assert httpx.get(f"{srv.url}/v1/sandboxes", params=q, headers=h).json()["sandboxes"] == []
 
 
+#: the fuzzed server's registries: every one mirrored to a closed loopback port (the discard port, nothing
+#: listens there), no fallback to the registry itself, one attempt: a generated pull never leaves the machine
+HERMETIC_REGISTRIES = {"SHOAL_REGISTRY_MIRRORS": "*=http://127.0.0.1:9", "SHOAL_REGISTRY_FALLBACK": "false",
+                       "SHOAL_PULL_RETRIES": "1"}
+
+
 @pytest.fixture(scope="module")
-def fuzz(api_server: ServerProcess, shoal_home: Path) -> Iterator[Fuzz]:
+def fuzz(shoal_home: Path, base_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzz]:
     tok = TokenStore(shoal_home).create(FUZZ_PROJECT, quota=Quota(max_sandboxes=3, max_cpus=4, max_memory_mb=512),
                                         name="schemathesis")
-    f = Fuzz(api_server, tok)
+    log = tmp_path_factory.mktemp("fuzz") / "server.log"
+    srv = ServerProcess(env={**os.environ, **HERMETIC_REGISTRIES}, token=tok, log_path=log).start()
+    f = Fuzz(srv, tok)
     try:
         yield f
     finally:
-        _cleanup(api_server, shoal_home)
+        try:
+            _cleanup(srv, shoal_home)
+        finally:
+            srv.stop()
 
 
 def test_contract_with_schemathesis_runner(fuzz: Fuzz, tmp_path: Path) -> None:

@@ -210,7 +210,7 @@ async def test_a_sandbox_swapping_past_its_limit_runs_as_batch_until_it_stops(cl
     node = client.transport.node
     if cgroups.cgroup_mode() == "v2" or not swapwatch.supported():
         pytest.skip("swap thresholds need the cgroup v1 memory controller with swap accounting")
-    if node.backend("container").swap_watch is None or not sandbox_swap_mb(64):
+    if node.backend("container").swap_watch is None or not sandbox_swap_mb(64, node.config.settings.sandbox_swap):
         pytest.skip("no swap for sandboxes on this host")
     sb = await client.create("base", memory_mb=64)
     assert node.backend("container").swap_watch.watching(sb.id)

@@ -12,6 +12,7 @@ import pytest
 
 import shoal
 from shoal.backends.container import reclaim
+from shoal.config import settings
 from shoal.host.cgroups import SandboxCgroup
 from tests.conftest import runtime_containers
 from tests.waiting import async_wait_for
@@ -178,9 +179,10 @@ async def test_pause_errors(client: shoal.Client) -> None:
 def test_swap_policy_for_running_sandboxes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_SANDBOX_SWAP", "0")
     expect_none = not reclaim.swap_active()
-    assert (reclaim.sandbox_swap_mb(256) is None) == expect_none
+    pol = settings().sandbox_swap
+    assert (reclaim.sandbox_swap_mb(256, pol) is None) == expect_none
     if not expect_none:
-        assert reclaim.sandbox_swap_mb(256) == 0
+        assert reclaim.sandbox_swap_mb(256, pol) == 0
     assert os.environ["SHOAL_SANDBOX_SWAP"] == "0"
 
 

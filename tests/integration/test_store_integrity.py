@@ -286,10 +286,11 @@ async def test_a_microvm_never_boots_on_a_marked_or_broken_layer(tmp_path: Path)
     """microVMs read each layer as a disk through the node's reader (acquire_files): the same checks as a mount
     run before QEMU starts (a bad table, a corrupt mark)."""
     from shoal.backends.qemu import find_qemu
+    from shoal.config import settings
     from shoal.errors import BackendUnavailable
 
     try:
-        find_qemu()
+        find_qemu(settings())
     except BackendUnavailable as e:
         pytest.skip(e.message)
     store = ImageStore(tmp_path / "store")

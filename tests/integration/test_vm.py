@@ -328,8 +328,9 @@ async def test_kvm_probe_answers(shoal_home: Path) -> None:
 
 async def test_firecracker_path(vclient: shoal.Client) -> None:
     from shoal.backends.firecracker import firecracker_usable
+    from shoal.config import settings
 
-    ok, why = firecracker_usable()
+    ok, why = firecracker_usable(settings())
     if not ok:
         pytest.skip(f"Firecracker cannot run here: {why}")
     sb = await vclient.create("base", backend="microvm", memory_mb=256)

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shoal.cluster.raylink import RAY_CLUSTER_ENV
+
 # a UDP sink: one line per datagram, "<source ip> <payload>", into the file argv[2]
 UDP_SINK = r"""
 import socket, sys
@@ -204,7 +206,9 @@ class RayMachines:
         argv = [ray, "start", "--block", "--disable-usage-stats", *args]
         if ns:
             argv = ["ip", "netns", "exec", ns, *argv]
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        # nodes on real addresses: Ray's cluster mode on, whatever this process holds (a loopback cluster
+        # started here earlier, or a user's RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, makes a worker's `ray start` abort)
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **{RAY_CLUSTER_ENV: "1"})
         i = len(self._procs) if slot is None else slot
         log = open(self._log(i), "ab")  # noqa: SIM115
         p = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -235,7 +239,8 @@ class RayMachines:
                         continue
                     raise RuntimeError(f"ray start #{i} exited ({p.returncode}): {tail}")
             r = subprocess.run(["ip", "netns", "exec", self.head.ns, sys.executable, "-c", script, self.address],
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=120,
+                               env=dict(os.environ, **{RAY_CLUSTER_ENV: "1"}))
             if r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == [str(n)]:
                 return
             time.sleep(1.0)

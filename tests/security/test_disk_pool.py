@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shoal.backends.container.disk import UpperPool
-from shoal.config import NodeConfig, Paths
+from shoal.config import NodeConfig, Paths, settings
 from shoal.errors import CapacityExceeded
 from shoal.models import SandboxSpec
 from shoal.node.node import Node
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.root, pytest.mark.timeout(600)]
 def small_pool_home(base_image: str) -> Paths:
     home = Path(tempfile.mkdtemp(prefix="shd-", dir="/tmp"))
     paths = Paths(home=home, store=Path(os.environ["SHOAL_STORE"]))
-    pool = UpperPool(paths, size_gb=1)
+    pool = UpperPool(paths, settings(), size_gb=1)
     if not pool.ensure():
         pytest.skip(f"disk limits are not enforced here: {pool.reason}")
     yield paths

@@ -3,6 +3,7 @@ cluster-wide quota source, the node agent's endpoint token, the lost-sandbox ind
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,32 @@ def test_ray_urls_and_loopback() -> None:
         with pytest.raises(InvalidRequest):
             parse_ray_url(bad)
     assert is_loopback("127.0.0.1:1234") and is_loopback("localhost:1") and not is_loopback("10.0.0.2:6379")
+
+
+def test_ray_cluster_mode_follows_each_address_and_leaks_into_no_later_ray_start(monkeypatch) -> None:
+    """Ray's switch (off: loopback kept, `ray start` of a worker aborts) is off for a loopback cluster only:
+    a loopback LocalCluster started from a process once left RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in its
+    environment, and the netns cluster harness's `ray start --address` workers then aborted in CI."""
+    pytest.importorskip("ray")
+    import ray._private.ray_constants as rc
+
+    from shoal.cluster.raylink import RAY_CLUSTER_ENV, loopback_children, set_cluster_mode
+
+    monkeypatch.delenv(RAY_CLUSTER_ENV, raising=False)
+    monkeypatch.setattr(rc, "ENABLE_RAY_CLUSTER", rc.ENABLE_RAY_CLUSTER)
+    with loopback_children():
+        assert os.environ[RAY_CLUSTER_ENV] == "0" and rc.ENABLE_RAY_CLUSTER is False  # the cluster's processes
+    assert RAY_CLUSTER_ENV not in os.environ  # a later child (`ray start` on real addresses) is not refused
+    set_cluster_mode(loopback=False)
+    assert rc.ENABLE_RAY_CLUSTER is True  # a driver joining a cluster on real addresses uses its outward address
+    set_cluster_mode(loopback=True)
+    assert rc.ENABLE_RAY_CLUSTER is False
+    monkeypatch.setenv(RAY_CLUSTER_ENV, "0")  # the user's own choice is Ray's default for real addresses
+    set_cluster_mode(loopback=False)
+    assert rc.ENABLE_RAY_CLUSTER is False
+    with loopback_children():
+        pass
+    assert os.environ[RAY_CLUSTER_ENV] == "0"  # put back as it was
 
 
 def test_node_ids_from_ray_nodes() -> None:

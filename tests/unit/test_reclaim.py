@@ -77,12 +77,14 @@ def test_sandbox_swap_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reclaim.sandbox_swap_mb(256) is None  # no swap: leave the runtime's default
     monkeypatch.setattr(reclaim, "swap_active", lambda: True)
     monkeypatch.setattr(reclaim, "_memsw_supported", lambda: True)
-    monkeypatch.delenv("SHOAL_SANDBOX_SWAP", raising=False)
-    assert reclaim.sandbox_swap_mb(256) == 256
-    monkeypatch.setenv("SHOAL_SANDBOX_SWAP", "0")
-    assert reclaim.sandbox_swap_mb(256) == 0
-    monkeypatch.setenv("SHOAL_SANDBOX_SWAP", "64M")
-    assert reclaim.sandbox_swap_mb(256) == 64
+    from shoal.config import Settings
+
+    def policy(value: str | None) -> str:  # the setting as the node resolves it
+        return Settings.load(env={} if value is None else {"SHOAL_SANDBOX_SWAP": value}).sandbox_swap
+
+    assert reclaim.sandbox_swap_mb(256, policy(None)) == 256
+    assert reclaim.sandbox_swap_mb(256, policy("0")) == 0
+    assert reclaim.sandbox_swap_mb(256, policy("64M")) == 64
     monkeypatch.setattr(reclaim, "_memsw_supported", lambda: False)
     assert reclaim.sandbox_swap_mb(256) is None
 

@@ -49,8 +49,10 @@ def test_seccomp_and_incoming_and_kvm(tmp_path: Path, monkeypatch: pytest.Monkey
     assert argv[argv.index("-accel") + 1] == "kvm" and argv[argv.index("-cpu") + 1] == "host"
     assert argv[-3:] == ["-incoming", "defer", "-S"]
     assert "spawn=deny" in argv[argv.index("-sandbox") + 1]
-    monkeypatch.setenv("SHOAL_VM_SECCOMP", "0")
-    assert "-sandbox" not in q.qemu_argv("qemu", _cfg(), tmp_path)
+    from shoal.config import Settings
+
+    off = Settings.load(env={"SHOAL_VM_SECCOMP": "0"}).vm_seccomp  # the node passes its setting's value
+    assert "-sandbox" not in q.qemu_argv("qemu", _cfg(), tmp_path, seccomp=off)
 
 
 def test_q35_uses_pci_devices_and_network(tmp_path: Path) -> None:
@@ -190,27 +192,28 @@ def test_kvm_status_forced_tcg(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_firecracker_is_chosen_only_when_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shoal.backends import firecracker as fc
+    from shoal.config import Settings
 
     monkeypatch.delenv("SHOAL_FIRECRACKER", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    ok, why = fc.firecracker_usable()
+    ok, why = fc.firecracker_usable(Settings.load())
     assert not ok and "no firecracker binary" in why
     fake = tmp_path / "firecracker"
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
     monkeypatch.setenv("SHOAL_VM_ACCEL", "tcg")  # KVM not usable
-    ok, why = fc.firecracker_usable()
+    ok, why = fc.firecracker_usable(Settings.load())
     assert not ok and "needs KVM" in why
     # the VMM registry: "auto" passes over a monitor that cannot run; one asked for by name must run
     from shoal.backends.registry import VMMS, pick_vmm, vmm_names
     from shoal.errors import BackendUnavailable
 
     assert vmm_names() == ["firecracker", "qemu"] and set(VMMS) == set(vmm_names())
-    entry, why = pick_vmm("auto")
+    entry, why = pick_vmm("auto", Settings.load())
     assert entry.name == "qemu" and "needs KVM" in why
     with pytest.raises(BackendUnavailable, match="SHOAL_VMM=qemu, but it cannot run here: QEMU is not installed"):
-        pick_vmm("qemu")
+        pick_vmm("qemu", Settings.load())
     monkeypatch.setenv("SHOAL_QEMU", str(fake))  # any executable will do: nothing is started
-    assert pick_vmm("qemu")[0].name == "qemu"
+    assert pick_vmm("qemu", Settings.load())[0].name == "qemu"
     with pytest.raises(BackendUnavailable, match=r"SHOAL_VMM=firecracker, but it cannot run here: .*needs KVM"):
-        pick_vmm("firecracker")
+        pick_vmm("firecracker", Settings.load())

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from shoal.errors import (
     SandboxError,
     Timeout,
 )
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S
 from shoal.models import DirEntry, ExecResult, StreamEvent
 
 from . import frames as F
@@ -248,7 +249,8 @@ class AgentClient:
     # ------------------------------------------------------------------ connection
 
     @classmethod
-    async def connect_unix(cls, path: str, token: str | None = None, timeout: float = 10.0) -> AgentClient:
+    async def connect_unix(cls, path: str, token: str | None = None, timeout: float = AGENT_CONNECT_TIMEOUT_S
+                           ) -> AgentClient:
         """Connect to an agent listening on the Unix socket ``path`` and say hello."""
         try:
             reader, writer = await asyncio.wait_for(
@@ -612,6 +614,47 @@ class AgentClient:
                 fr = await s.get()
                 if fr.type == F.RESP:
                     return int(F.decode_json(fr.payload).get("size", len(data)))
+                if fr.type == F.ERR:
+                    raise agent_error("write_file", F.decode_json(fr.payload))
+        finally:
+            self._forget(s)
+
+    async def write_file_stream(
+        self,
+        path: str,
+        chunks: AsyncIterable[bytes],
+        mode: int = 0o644,
+        mkdirs: bool = True,
+        user: str | None = None,
+    ) -> int:
+        """Write the bytes `chunks` yields to ``path`` atomically, as they come: one chunk in memory at a time
+        (each is sent, and the connection drained, before the next is asked for). Returns the bytes written.
+        A chunk source that fails ends the file where it stopped (the agent has no way to abandon a write)
+        and its error is raised."""
+        s = await self._open("write_file", path=path, mode=mode, mkdirs=mkdirs, user=user)
+        failed: BaseException | None = None
+        try:
+            sent = 0
+            try:
+                async for chunk in chunks:
+                    view = memoryview(chunk)
+                    for i in range(0, len(view), F.CHUNK):
+                        if s.terminated_early():
+                            break
+                        await self._send(F.encode_frame(F.DATA, s.id, bytes(view[i : i + F.CHUNK])), drain=True)
+                    sent += len(view)
+                    if s.terminated_early():
+                        break
+            except Exception as e:  # the source failed: close the agent's write, then raise it
+                failed = e
+            if not s.terminated_early():
+                await self._send(F.encode_frame(F.DATA_END, s.id))
+            while True:
+                fr = await s.get()
+                if fr.type == F.RESP:
+                    if failed is not None:
+                        raise failed
+                    return int(F.decode_json(fr.payload).get("size", sent))
                 if fr.type == F.ERR:
                     raise agent_error("write_file", F.decode_json(fr.payload))
         finally:

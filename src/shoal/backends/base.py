@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ShoalError, Unsupported
+from shoal.limits import AGENT_READY_TIMEOUT_S
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
@@ -124,7 +125,7 @@ class Backend(ABC):
         """Start the sandbox described by `rec` (fills in runtime fields); on error leave nothing behind."""
 
     @abstractmethod
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """Open a connection to the sandbox's agent (after `hello`)."""
 
     @abstractmethod

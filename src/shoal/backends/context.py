@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
     from shoal.backends.container.runtime import RuntimeStatus
-    from shoal.config import NodeConfig, Paths
+    from shoal.config import NodeConfig, Paths, Settings
     from shoal.egress import Box, EgressPolicy
     from shoal.images.mounts import LayerMounts
     from shoal.images.store import ImageStore
@@ -120,6 +120,11 @@ class NodeContext(Protocol):
 
     @property
     def config(self) -> NodeConfig: ...
+
+    @property
+    def settings(self) -> Settings:
+        """Every setting, resolved once where the node was made (a backend never calls `settings()`)."""
+        ...
 
     @property
     def paths(self) -> Paths: ...

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.agentproto.client import AgentClient
 from shoal.backends.base import Backend, Capability
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.records import proc_starttime
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ class FakeBackend(Backend):
         rec.init_pid, rec.init_start = pid, start
         return True
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """Connect to the agent's socket (waiting for it to listen)."""
         sock = str(self.socket(rec))
         deadline = time.monotonic() + timeout

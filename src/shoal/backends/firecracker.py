@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.backends.base import Backend, Capability
 from shoal.backends.qemu import console_tail, kill_and_wait
-from shoal.config import settings
+from shoal.config import Settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError, Timeout
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
@@ -47,16 +48,16 @@ AGENT_VSOCK_PORT = 1024
 GUEST_CID = 3
 
 
-def firecracker_binary() -> str | None:
-    """SHOAL_FIRECRACKER or `firecracker` on PATH."""
-    given = settings().firecracker
+def firecracker_binary(s: Settings) -> str | None:
+    """The firecracker setting, else `firecracker` on PATH."""
+    given = s.firecracker
     p = str(given) if given else shutil.which("firecracker")
     return p if p and os.access(p, os.X_OK) else None
 
 
-def firecracker_usable() -> tuple[bool, str]:
+def firecracker_usable(s: Settings) -> tuple[bool, str]:
     """(usable, why): a binary on PATH and KVM working (the VMM registry's probe, shoal.backends.registry)."""
-    binary = firecracker_binary()
+    binary = firecracker_binary(s)
     if not binary:
         return False, "no firecracker binary on PATH (it is not packaged by Debian; microVMs use QEMU microvm)"
     from shoal.host.kvm import kvm_status
@@ -104,7 +105,7 @@ class FirecrackerBackend(Backend):
     def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
         super().__init__(ctx, name)
         self.paths = ctx.paths
-        self.binary = firecracker_binary()
+        self.binary = firecracker_binary(ctx.settings)
 
     def _files(self, d: Path) -> dict[str, Path]:
         return {"api": d / "fc.sock", "vsock": d / "vsock.sock", "console": d / "console.log", "pid": d / "fc.pid"}
@@ -128,7 +129,7 @@ class FirecrackerBackend(Backend):
         t0 = time.monotonic()
         try:
             agent = self.ctx.agent_binary
-            guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, agent)
+            guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, agent, self.ctx.settings)
             meta = (guest.initrd.parent / "guest.json").read_text()
             if '"vsock_helper": true' not in meta:
                 raise BackendUnavailable("the microVM guest has no vsock helper (gcc was missing when it was built)")
@@ -176,7 +177,7 @@ class FirecrackerBackend(Backend):
             await api.call("PUT", "/balloon", {"amount_mib": 0, "deflate_on_oom": True,
                                                "stats_polling_interval_s": 0})
             await api.call("PUT", "/actions", {"action_type": "InstanceStart"})
-            timeout = settings().vm_boot_timeout or 30.0
+            timeout = self.ctx.settings.vm_boot_timeout or 30.0
             deadline = time.monotonic() + timeout
             while True:
                 try:
@@ -214,7 +215,7 @@ class FirecrackerBackend(Backend):
         c.base_env = dict(rec.extra.get("env") or {})
         return c
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """A new connection through Firecracker's vsock (any number may be open)."""
         return await self._connect(rec, timeout)
 
@@ -229,7 +230,7 @@ class FirecrackerBackend(Backend):
     async def pause(self, rec: SandboxRecord) -> None:
         """Inflate the balloon, then pause the vCPUs."""
         api = _Api(self._files(rec.path)["api"])
-        mem = int(rec.spec.get("memory_mb", 1024))
+        mem = int(rec.typed_spec.memory_mb)
         with contextlib.suppress(SandboxError):
             await api.call("PATCH", "/balloon", {"amount_mib": max(0, mem - max(64, mem // 8))})
         await api.call("PATCH", "/vm", {"state": "Paused"})

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from shoal.backends.base import Backend, Capability
 from shoal.backends.fncall_languages import ALL_TOOLS, BASE_IMAGE, FNCALL_IMAGE, LANGS_IMAGE, Language, get_language
 from shoal.backends.fncall_pool import POOL_LABEL, Pool, PoolKey, Worker, WorkerLost
-from shoal.config import settings
+from shoal.config import Settings
 from shoal.errors import BackendUnavailable, ImageNotFound, InvalidRequest, QuotaExceeded, ShoalError
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.models import ExecResult, RunCodeResult
 from shoal.spec import SandboxSpec
 
@@ -53,21 +54,17 @@ _MEMORY_OVERHEAD_MB = 128
 
 
 def _default_max_size() -> int:
-    return settings().fncall_max_size or max(4, 4 * (os.cpu_count() or 1))
-
-
-def _default_preload() -> tuple[str, ...]:
-    given = settings().fncall_preload
-    return DEFAULT_PRELOAD if given is None else given
+    return max(4, 4 * (os.cpu_count() or 1))
 
 
 @dataclass
 class FncallConfig:
-    """Knobs of the fncall backend (the SHOAL_FNCALL_* environment variables set the main ones)."""
+    """Knobs of the fncall backend; `FncallConfig.from_settings(s)` takes the fncall_* settings (the node's
+    fncall backend does that with the node's settings), plain construction uses the settings' defaults."""
 
-    #: ready workers kept per pool while it is in use (SHOAL_FNCALL_MIN_IDLE)
-    min_idle: int = field(default_factory=lambda: settings().fncall_min_idle)
-    #: most containers per pool (SHOAL_FNCALL_MAX_SIZE; default 4 per core, at least 4)
+    #: ready workers kept per pool while it is in use (setting fncall_min_idle)
+    min_idle: int = 2
+    #: most containers per pool (setting fncall_max_size; default 4 per core, at least 4)
     max_size: int = field(default_factory=_default_max_size)
     #: an idle worker beyond min_idle is retired after this long
     idle_timeout_s: float = 60.0
@@ -79,7 +76,7 @@ class FncallConfig:
     #: TTL of pooled containers: the node's reaper removes them if this process dies without closing them
     container_ttl_s: float = 3600.0
     start_timeout_s: float = 60.0
-    preload: tuple[str, ...] = field(default_factory=_default_preload)
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
     default_timeout_s: float = 10.0
     default_compile_timeout_s: float = 10.0
     max_timeout_s: float = 600.0
@@ -103,6 +100,13 @@ class FncallConfig:
     maintain_interval_s: float = 1.0
     #: default concurrency of run_code_many
     many_concurrency: int = 256
+
+    @classmethod
+    def from_settings(cls, s: Settings, **overrides: Any) -> FncallConfig:
+        """The config the fncall_* settings of `s` describe (keyword arguments win)."""
+        kw: dict[str, Any] = {"min_idle": s.fncall_min_idle, "max_size": s.fncall_max_size or _default_max_size(),
+                              "preload": DEFAULT_PRELOAD if s.fncall_preload is None else s.fncall_preload}
+        return cls(**{**kw, **overrides})
 
 
 def container_memory_mb(memory_mb: int) -> int:
@@ -142,6 +146,7 @@ def _check_caller_limits(memory_mb: int, cpus: float) -> None:
     if max_cpus is not None and cpus > max_cpus:
         raise QuotaExceeded(f"run_code cpus={cpus:g} is over project {project!r}'s quota of {max_cpus:g} CPUs "
                             "(max_cpus)", project=project, requested_cpus=cpus, max_cpus=max_cpus)
+
 
 
 class FncallManager:
@@ -507,7 +512,7 @@ class FncallBackend(Backend):
     def manager(self) -> FncallManager:
         """The node's fncall manager, created on first use (and again after close)."""
         if self._manager is None or self._manager.closed:
-            self._manager = FncallManager(self.ctx.sandboxes)
+            self._manager = FncallManager(self.ctx.sandboxes, FncallConfig.from_settings(self.ctx.settings))
         return self._manager
 
     async def close(self) -> None:
@@ -519,7 +524,7 @@ class FncallBackend(Backend):
         """fncall hosts no sandboxes."""
         raise self.unsupported(Capability.SANDBOXES)
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """fncall hosts no sandboxes."""
         raise self.unsupported(Capability.SANDBOXES)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shoal.backends.registry import make_vmm_backend
-from shoal.config import settings
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
@@ -15,4 +14,4 @@ if TYPE_CHECKING:
 
 def make_microvm_backend(ctx: NodeContext, name: str = "microvm") -> Backend:
     """The backend object for "microvm" on this host (the registry's factory)."""
-    return make_vmm_backend(ctx, name, settings().vmm)
+    return make_vmm_backend(ctx, name)

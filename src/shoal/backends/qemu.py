@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.config import settings
+from shoal.config import Settings
 from shoal.errors import BackendUnavailable, SandboxError, Timeout
 from shoal.host.oom import SANDBOX_OOM_SCORE_ADJ
 from shoal.records import proc_starttime
@@ -38,9 +38,9 @@ QEMU_BIN = "qemu-system-x86_64"
 _SUN_PATH_MAX = 107
 
 
-def find_qemu() -> str:
-    """The QEMU binary (SHOAL_QEMU or qemu-system-x86_64 on PATH); BackendUnavailable when missing."""
-    given = settings().qemu
+def find_qemu(s: Settings) -> str:
+    """The QEMU binary (setting qemu, else qemu-system-x86_64 on PATH); BackendUnavailable when missing."""
+    given = s.qemu
     q = str(given) if given else shutil.which(QEMU_BIN)
     if not q or not os.access(q, os.X_OK):
         raise BackendUnavailable(
@@ -49,10 +49,10 @@ def find_qemu() -> str:
     return q
 
 
-def qemu_usable() -> tuple[bool, str]:
+def qemu_usable(s: Settings) -> tuple[bool, str]:
     """(usable, why): a QEMU binary (the VMM registry's probe; QEMU runs without KVM too, under TCG)."""
     try:
-        return True, f"qemu at {find_qemu()}"
+        return True, f"qemu at {find_qemu(s)}"
     except BackendUnavailable as e:
         return False, str(e)
 
@@ -128,7 +128,7 @@ def check_socket_paths(d: Path) -> None:
         raise InvalidRequest(f"SHOAL_HOME path too long for a Unix socket ({p}); use a shorter one")
 
 
-def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False) -> list[str]:
+def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False, seccomp: bool = True) -> list[str]:
     """The full QEMU command line of one sandbox VM (detached; sockets and console in `d`)."""
     f = sandbox_files(d)
     mmio = cfg.machine == "microvm"
@@ -147,7 +147,7 @@ def qemu_argv(qemu: str, cfg: MachineConfig, d: Path, *, incoming: bool = False)
         "-device", dev("virtio-serial"), "-device", "virtserialport,chardev=agent,name=shoal.agent",
         "-qmp", f"unix:{f['qmp']},server=on,wait=off",
     ]
-    if settings().vm_seccomp:
+    if seccomp:
         # QEMU runs as root and parses what the guest does: confine it with its seccomp filter (no exec,
         # no setuid, no scheduler/affinity changes, no obsolete syscalls). Migration therefore goes to a
         # file descriptor we pass in (migrate_fd), never to an `exec:` command.

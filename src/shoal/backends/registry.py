@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from shoal.backends.base import Backend
     from shoal.backends.container.runtime import OciRuntime
     from shoal.backends.context import NodeContext
+    from shoal.config import Settings
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def vmm_names() -> list[str]:
     return [e.name for e in sorted(VMMS.values(), key=lambda e: e.auto_rank)]
 
 
-def pick_vmm(preference: str) -> tuple[VmmEntry, str]:
+def pick_vmm(preference: str, s: Settings) -> tuple[VmmEntry, str]:
     """The VM monitor microVMs run on, with why: the one named by `preference`, or ("auto") the first in
     `auto_rank` order that says it can run here, else the last one (whose create says what is missing).
     BackendUnavailable when the one asked for by name cannot run."""
@@ -165,22 +166,22 @@ def pick_vmm(preference: str) -> tuple[VmmEntry, str]:
         entry = VMMS.get(preference)
         if entry is None:
             raise InvalidRequest(f"unknown VMM {preference!r}: choose auto, {', '.join(vmm_names())}")
-        ok, why = _load(entry.usable)()
+        ok, why = _load(entry.usable)(s)
         if not ok:
             raise BackendUnavailable(f"SHOAL_VMM={preference}, but it cannot run here: {why} ({entry.install})")
         return entry, f"SHOAL_VMM={preference}: {why}"
     ranked = [VMMS[n] for n in vmm_names()]
     whys = []
     for entry in ranked[:-1]:
-        ok, why = _load(entry.usable)()
+        ok, why = _load(entry.usable)(s)
         if ok:
             return entry, why
         whys.append(why)
     return ranked[-1], "; ".join(whys) or "the only VMM"
 
 
-def make_vmm_backend(ctx: NodeContext, name: str, preference: str) -> Backend:
-    """The backend object for `name` (a microVM kind) on the VMM `preference` picks (see pick_vmm)."""
-    entry, _ = pick_vmm(preference)
+def make_vmm_backend(ctx: NodeContext, name: str) -> Backend:
+    """The backend object for `name` (a microVM kind) on the VMM the node's `vmm` setting picks (pick_vmm)."""
+    entry, _ = pick_vmm(ctx.settings.vmm, ctx.settings)
     backend: Backend = _load(entry.factory)(ctx, name)
     return backend

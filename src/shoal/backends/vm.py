@@ -45,7 +45,7 @@ from shoal.backends.qemu import (
     qmp,
     sandbox_files,
 )
-from shoal.config import Paths, settings
+from shoal.config import Paths, Settings
 from shoal.errors import (
     BackendUnavailable,
     InvalidRequest,
@@ -55,6 +55,7 @@ from shoal.errors import (
     Timeout,
 )
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S, MAX_VM_BATCH
 from shoal.models import SandboxInfo
 from shoal.records import SandboxRecord, validate_labels
 from shoal.spec import SandboxSpec
@@ -68,9 +69,9 @@ MICROVM_MMIO_SLOTS = 8
 _SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
-def _extra_cmdline() -> str:
+def _extra_cmdline(s: Settings) -> str:
     """SHOAL_VM_EXTRA_CMDLINE: arguments appended to the guest kernel's command line (debugging, tests)."""
-    extra = settings().vm_extra_cmdline.strip()
+    extra = s.vm_extra_cmdline.strip()
     return f" {extra}" if extra else ""
 
 
@@ -216,7 +217,7 @@ class QemuVmBackend(Backend):
         """How long a boot may take before create fails (SHOAL_VM_BOOT_TIMEOUT overrides)."""
         kvm = self.accel() == "kvm"
         default = (30.0 if kvm else 90.0) if self.machine == "microvm" else (90.0 if kvm else 300.0)
-        return settings().vm_boot_timeout or default
+        return self.ctx.settings.vm_boot_timeout or default
 
     async def prepare(self) -> dict[str, Any]:
         """Build (or find cached) the microVM guest kernel + initramfs; report the accelerator."""
@@ -224,7 +225,7 @@ class QemuVmBackend(Backend):
 
         out: dict[str, Any] = {"accel": self.accel()}
         if self.machine == "microvm":
-            g = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent())
+            g = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent(), self.ctx.settings)
             out.update(kernel=str(g.kernel), initrd=str(g.initrd))
         return out
 
@@ -267,7 +268,7 @@ class QemuVmBackend(Backend):
 
     async def _create(self, rec: SandboxRecord, spec: SandboxSpec, image: Image) -> None:
         self._check(spec, image)
-        qemu = find_qemu()
+        qemu = find_qemu(self.ctx.settings)
         d = rec.path
         check_socket_paths(d)
         accel = self.accel()
@@ -281,7 +282,7 @@ class QemuVmBackend(Backend):
         rec.runtime = f"qemu-{self.machine}"
         rec.extra.update(vmm="qemu", machine=self.machine, accel=accel, vm=cfg.to_dict(), env=env)
         rec.save()
-        pid, start = await launch(qemu_argv(qemu, cfg, d), d)
+        pid, start = await launch(qemu_argv(qemu, cfg, d, seccomp=self.ctx.settings.vm_seccomp), d)
         rec.init_pid, rec.init_start = pid, start
         rec.save()
         t2 = time.monotonic()
@@ -312,14 +313,14 @@ class QemuVmBackend(Backend):
 
         d = rec.path
         cpus = max(1, min(64, math.ceil(float(spec.cpus))))
-        st = settings()
+        st = self.ctx.settings
         tb = st.vm_tcg_tb_mb if accel == "tcg" else 0
         quiet = "" if st.vm_verbose else " quiet loglevel=3"
         if self.machine == "microvm":
             # the guest reads each layer as a disk: the node's layer reader's file of it, so every block the
             # guest reads comes from a checked chunk, fetched on demand (released in destroy)
             files = await asyncio.to_thread(self.ctx.layer_mounts.acquire_files, image.layers, rec.id)
-            guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent())
+            guest = await asyncio.to_thread(vm_images.ensure_guest, self.paths, self._agent(), self.ctx.settings)
             await asyncio.to_thread(vm_images.make_upper_disk, d / "upper.img", spec.disk_mb)
             drives = [Drive(f"layer{i}", str(f), "raw", True, f"shoal-layer{i}") for i, f in enumerate(files)]
             drives.append(Drive("upper", str(d / "upper.img"), "raw", False, "shoal-upper"))
@@ -333,7 +334,7 @@ class QemuVmBackend(Backend):
             if accel == "tcg" and (khz := host_tsc_khz()):
                 # microvm has no PIT calibration path: tell the kernel the TSC rate (TCG passes the host's)
                 cmdline += f" tsc_early_khz={khz}"
-            cmdline += _extra_cmdline()
+            cmdline += _extra_cmdline(st)
             return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(guest.kernel), str(guest.initrd),
                                  cmdline, drives, network=bool(spec.network), tb_mb=tb, ram=self._ram(st))
         disk = await asyncio.to_thread(vm_images.ensure_vm_disk, self.paths, image, self.ctx.layer_mounts,
@@ -349,14 +350,14 @@ class QemuVmBackend(Backend):
         if r.returncode != 0:
             raise SandboxError(f"qemu-img create failed: {r.stderr.decode(errors='replace').strip()}")
         cmdline = (f"root=/dev/vda rw console=ttyS0 panic=-1{quiet} systemd.hostname={hostname} "
-                   "systemd.show_status=false" + _extra_cmdline())
+                   "systemd.show_status=false" + _extra_cmdline(st))
         return MachineConfig(self.machine, accel, cpus, spec.memory_mb, str(disk.kernel),
                              str(disk.initrd) if disk.initrd else None, cmdline,
                              [Drive("root", str(root), "qcow2", False, "shoal-root")],
                              network=bool(spec.network), tb_mb=tb, ram=self._ram(st))
 
     # ---- reach / destroy
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """The connection made at boot, or a new one to the VM's virtio-serial socket."""
         c = self._booted.pop(rec.id, None)
         if c is not None and not c.closed:
@@ -406,12 +407,12 @@ class QemuVmBackend(Backend):
                     used_mb = (info["MemTotal"] - info["MemAvailable"]) >> 10
                     target = used_mb + 32
             if target is None:
-                target = settings().vm_pause_balloon_mb or cfg.memory_mb // 8
+                target = self.ctx.settings.vm_pause_balloon_mb or cfg.memory_mb // 8
             target = min(max(64, target), cfg.memory_mb)
         async with qmp(rec.path) as q:
             if target is not None and target < cfg.memory_mb:
                 with contextlib.suppress(ShoalError):
-                    await self._balloon_to(q, target, timeout=settings().vm_balloon_wait_s)
+                    await self._balloon_to(q, target, timeout=self.ctx.settings.vm_balloon_wait_s)
             await q.execute("stop")
 
     @staticmethod
@@ -491,7 +492,7 @@ def _qemu_backend(ctx: NodeContext, rec: SandboxRecord) -> QemuVmBackend:
     return b
 
 
-async def _save(rec: SandboxRecord, dest: Path) -> dict[str, Any]:
+async def _save(rec: SandboxRecord, dest: Path, s: Settings) -> dict[str, Any]:
     """Stop the VM, write its memory and device state to dest/memory.bin and copy its writable disks; the
     VM continues afterwards if it was running. The caller holds the sandbox lock."""
     from shoal.backends.vm_images import copy_sparse
@@ -506,7 +507,7 @@ async def _save(rec: SandboxRecord, dest: Path) -> dict[str, Any]:
             await q.execute("stop")
     try:
         await asyncio.to_thread(migrate_fd, rec.path, mem, incoming=False,
-                                timeout=settings().vm_snapshot_timeout)
+                                timeout=s.vm_snapshot_timeout)
         # the vCPUs are stopped and QEMU flushed the disks: their files match the saved memory
         for drv in cfg.drives:
             if not drv.readonly:
@@ -538,7 +539,7 @@ async def snapshot_vm(backend: QemuVmBackend, sandbox_id: str, name: str) -> dic
             _qemu_backend(ctx, rec)
             if rec.state not in ("running", "paused"):
                 raise SandboxError(f"cannot snapshot sandbox {sandbox_id}: it is {rec.state}")
-            saved = await _save(rec, tmp)
+            saved = await _save(rec, tmp, ctx.settings)
         meta = _snapshot_meta(rec, name, saved)
         (tmp / "snapshot.json").write_text(json.dumps(meta))
         final = root / name
@@ -587,7 +588,7 @@ async def _restore_one(ctx: NodeContext, snap: Path, meta: dict[str, Any]) -> Sa
     backend = ctx.backend(meta["backend"])
     if not isinstance(backend, QemuVmBackend):
         raise BackendUnavailable("restoring a VM memory snapshot needs the QEMU VM backend")
-    qemu = find_qemu()
+    qemu = find_qemu(ctx.settings)
     with ctx.admission.reserve(spec) as res:
         extra = copy.deepcopy(meta["extra"])
         extra.pop("boot_s", None)
@@ -619,11 +620,11 @@ async def _restore_one(ctx: NodeContext, snap: Path, meta: dict[str, Any]) -> Sa
                         drv.path = by_id[drv.id]
             rec.extra["vm"] = cfg.to_dict()
             rec.save()
-            pid, start = await launch(qemu_argv(qemu, cfg, d, incoming=True), d)
+            pid, start = await launch(qemu_argv(qemu, cfg, d, incoming=True, seccomp=ctx.settings.vm_seccomp), d)
             rec.init_pid, rec.init_start = pid, start
             rec.save()
             await asyncio.to_thread(migrate_fd, d, snap / "memory.bin", incoming=True,
-                                    timeout=settings().vm_snapshot_timeout)
+                                    timeout=ctx.settings.vm_snapshot_timeout)
             async with qmp(d) as q:
                 await q.execute("cont")
                 if cfg.balloon:
@@ -660,8 +661,8 @@ async def _restore_many(ctx: NodeContext, snap: Path, meta: dict[str, Any], n: i
 
 
 def _check_n(n: int) -> int:
-    if not isinstance(n, int) or not 1 <= n <= 1000:
-        raise InvalidRequest(f"n={n!r} must be between 1 and 1000")
+    if not isinstance(n, int) or not 1 <= n <= MAX_VM_BATCH:
+        raise InvalidRequest(f"n={n!r} must be between 1 and {MAX_VM_BATCH}")
     return n
 
 
@@ -701,7 +702,7 @@ async def fork_vm(backend: QemuVmBackend, sandbox_id: str, n: int, concurrency: 
             _qemu_backend(ctx, rec)
             if rec.state not in ("running", "paused"):
                 raise SandboxError(f"cannot fork sandbox {sandbox_id}: it is {rec.state}")
-            saved = await _save(rec, tmp)
+            saved = await _save(rec, tmp, ctx.settings)
         meta = _snapshot_meta(rec, f"fork-of-{sandbox_id}", saved)
         if "labels" in overrides:
             validate_labels(overrides["labels"])

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.config import Paths, settings
+from shoal.config import Paths, Settings
 from shoal.errors import BackendUnavailable, ImageBuildError, InvalidRequest
 from shoal.fsutil import flocked, sha256_file
 
@@ -46,9 +46,9 @@ GUEST_MODULE_GROUPS = {"net": ["virtio_net"], "vsock": ["vmw_vsock_virtio_transp
 _REPO = Path(__file__).resolve().parents[3]
 
 
-def guest_src_dir() -> Path:
-    """The guest build inputs: SHOAL_GUEST_SRC or the repository's guest/ directory."""
-    d = settings().guest_src or (_REPO / "guest")
+def guest_src_dir(s: Settings) -> Path:
+    """The guest build inputs: the guest_src setting or the repository's guest/ directory."""
+    d = s.guest_src or (_REPO / "guest")
     if not (d / "init").is_file():
         raise BackendUnavailable(f"the VM guest sources are missing ({d}/init): run shoal from its repository "
                                  "or set SHOAL_GUEST_SRC to its guest/ directory")
@@ -82,9 +82,9 @@ def _version_key(v: str) -> tuple:
     return tuple(int(x) if x.isdigit() else x for x in re.split(r"[.-]", v))
 
 
-def find_host_kernel() -> HostKernel:
-    """SHOAL_VM_KERNEL_VERSION or the newest /boot/vmlinuz-* that has /lib/modules/<version>/modules.dep."""
-    want = settings().vm_kernel_version
+def find_host_kernel(want: str | None = None) -> HostKernel:
+    """Kernel `want` (the vm_kernel_version setting) or the newest /boot/vmlinuz-* that has
+    /lib/modules/<version>/modules.dep."""
     found = []
     for p in Path("/boot").glob("vmlinuz-*"):
         ver = p.name[len("vmlinuz-"):]
@@ -242,8 +242,8 @@ class GuestArtifacts:
     modules: list[str]
 
 
-def _busybox() -> Path:
-    for p in (settings().busybox, "/bin/busybox", "/usr/bin/busybox"):
+def _busybox(s: Settings) -> Path:
+    for p in (s.busybox, "/bin/busybox", "/usr/bin/busybox"):
         if p and Path(p).is_file():
             return Path(p)
     raise BackendUnavailable("busybox is missing: apt-get install busybox-static")
@@ -261,11 +261,12 @@ def _vsock_helper(src: Path, out_dir: Path) -> Path | None:
     return out if r.returncode == 0 and out.exists() else None
 
 
-def ensure_guest(paths: Paths, agent: Path, log: Callable[[str], None] | None = None) -> GuestArtifacts:
-    """Build (once, cached by the hash of every input) the microVM kernel and initramfs."""
-    src = guest_src_dir()
-    kern = find_host_kernel()
-    bb = _busybox()
+def ensure_guest(paths: Paths, agent: Path, s: Settings, log: Callable[[str], None] | None = None) -> GuestArtifacts:
+    """Build (once, cached by the hash of every input) the microVM kernel and initramfs (the guest_src,
+    vm_kernel_version and busybox settings of `s` say from what)."""
+    src = guest_src_dir(s)
+    kern = find_host_kernel(s.vm_kernel_version)
+    bb = _busybox(s)
     key = _hash(BUILDER_VERSION, kern.version, _file_id(kern.vmlinuz), sha256_file(agent),
                 sha256_file(src / "init"), sha256_file(src / "vsock-listen.c") if (src / "vsock-listen.c").exists()
                 else "", _file_id(bb), ",".join(GUEST_MODULES), json.dumps(GUEST_MODULE_GROUPS))[:16]
@@ -277,7 +278,7 @@ def ensure_guest(paths: Paths, agent: Path, log: Callable[[str], None] | None = 
         return GuestArtifacts(out / "vmlinux", out / "initramfs.cpio", m["kernel_version"], key, m["modules"])
     with flocked(paths.locks / "vm-guest.lock"):
         if meta.exists():
-            return ensure_guest(paths, agent, log)
+            return ensure_guest(paths, agent, s, log)
         t0 = time.monotonic()
         (log or (lambda s: None))(f"building the microVM guest (kernel {kern.version}) in {out}")
         root.mkdir(parents=True, exist_ok=True)
@@ -325,7 +326,7 @@ def ensure_guest(paths: Paths, agent: Path, log: Callable[[str], None] | None = 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         (log or (lambda s: None))(f"guest built in {time.monotonic() - t0:.1f}s")
-    return ensure_guest(paths, agent, log)
+    return ensure_guest(paths, agent, s, log)
 
 
 # ---- the writable disk of a microVM --------------------------------------------------------------

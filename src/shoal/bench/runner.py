@@ -166,7 +166,22 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
                     params: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run scenarios (the default run when `names` is empty) and return the results document; writes
     JSON/plots/markdown when asked. `params` overrides declared parameters: {scenario: {name: value}}."""
+    from shoal import config
+
+    # the run pins this process's settings (its layer store, below) and gives back the ones it found
+    before = config.pinned()
+    try:
+        return await _run_bench(names, json_path=json_path, plot_dir=plot_dir, quick=quick, no_docker=no_docker,
+                                home=home, markdown=markdown, command=command, console=console, params=params)
+    finally:
+        config.use(before)
+
+
+async def _run_bench(names: list[str] | None, *, json_path: Path | None, plot_dir: Path | None, quick: bool,
+                     no_docker: bool, home: Path | None, markdown: Path | None, command: str | None,
+                     console: Console | None, params: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
     import shoal
+    from shoal import config
     from shoal.config import NodeConfig, Paths
     from shoal.images.base import ensure_base
     from shoal.node.node import Node
@@ -195,9 +210,10 @@ async def run_bench(names: list[str] | None = None, *, json_path: Path | None = 
     for stale, left in (await homes.reap_stale(paths.store)).items():
         console.print(f"  removed what a dead benchmark run left: {stale}"
                       + (f" [red](still there: {left})[/red]" if left else ""))
-    # other scenarios start servers and nodes of their own: they use the same store
-    os.environ.setdefault("SHOAL_STORE", str(paths.store))
-    cfg = NodeConfig(paths=paths)  # the default settings: what a new user gets
+    # other scenarios start nodes of their own (and servers: shoal_child_env): they use the same store
+    st = st.replace(store=str(paths.store))
+    config.use(st)
+    cfg = NodeConfig(settings=st, paths=paths)  # the default settings: what a new user gets
     node = Node(cfg)
     ensure_base(node.store, log=lambda s: console.print(f"  {s}"))
     client = shoal.Client(transport=LocalTransport(node=node, reap=True))

@@ -42,9 +42,9 @@ def build_guest() -> None:
     """Build (or find cached) the microVM kernel + initramfs for this host's kernel and agent."""
     from shoal.agentbin import find_agent_binary
     from shoal.backends.vm_images import ensure_guest
-    from shoal.config import Paths
+    from shoal.config import Paths, settings
 
-    g = ensure_guest(Paths.from_env(), find_agent_binary(), log=lambda s: console.print(s))
+    g = ensure_guest(Paths.from_env(), find_agent_binary(), settings(), log=lambda s: console.print(s))
     console.print(f"kernel {g.kernel_version}: {g.kernel}\ninitramfs: {g.initrd}\nmodules: {' '.join(g.modules)}")
 
 

@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +116,17 @@ class NodeAgent:
 
     def __init__(self, node_id: str, home: str | None = None, store: str | None = None, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None) -> None:
+        from shoal import config
         from shoal.cluster.raylink import check_node_id
 
-        for k, v in (env or {}).items():
-            os.environ[k] = v
-        from shoal.config import Paths
-
         self.node_id = check_node_id(node_id)
-        self.home = Path(home) if home else Paths.from_env().home
+        # `env` holds settings (SHOAL_*=…, from `shoal cluster up --env`): resolved once, here at the agent's
+        # edge, over the worker's own environment, and injected (the node's config; settings() for the rest
+        # of this actor process) — never written into os.environ
+        #: this agent's settings
+        self.settings = config.Settings.load(env={**os.environ, **(env or {})})
+        config.use(self.settings)
+        self.home = Path(home) if home else self.settings.paths().home
         self.store = store
         self.host = host
         self.node: Any = None
@@ -160,7 +164,7 @@ class NodeAgent:
         from shoal.node.node import Node
 
         paths = Paths.from_env(self.home, self.store)
-        node = Node(NodeConfig(paths=paths, node_id=self.node_id))
+        node = Node(NodeConfig(settings=self.settings, paths=paths, node_id=self.node_id))
         await node.start()
         # probe the container runtimes now, off the event loop (state reports them; creates need them)
         await asyncio.to_thread(lambda: node.runtime_statuses)
@@ -302,12 +306,22 @@ class NodeAgent:
         if op not in CONTROL_OPS:
             return _err(InvalidRequest(f"unknown node operation {op!r}"))
         try:
-            res = await getattr(self.node, op)(sandbox_id, *args, **(kw or {}))
+            res = await self._control_op(op)(sandbox_id, *args, **(kw or {}))
         except Exception as e:
             return _err(e)
         if op in ("close", "fork"):
             self._state_cache = None
         return _ok(res)
+
+    def _control_op(self, op: str) -> Callable[..., Awaitable[Any]]:
+        """The node's front operation named `op` (one of CONTROL_OPS): an explicit table, not a lookup by name."""
+        n = self.node
+        ops: dict[str, Callable[..., Awaitable[Any]]] = {
+            "get": n.get, "close": n.close, "pause": n.pause, "resume": n.resume, "snapshot": n.snapshot,
+            "fork": n.fork, "exec": n.exec, "read_file": n.read_file, "write_file": n.write_file,
+            "list_dir": n.list_dir, "shell_open": n.shell_open, "shell_run": n.shell_run,
+            "shell_close": n.shell_close}
+        return ops[op]
 
     # ---- the cluster's own addresses, out of sandboxes' reach ---------------------------------------
     async def _block_cluster_addresses(self) -> None:

@@ -61,6 +61,13 @@ def up(address: str, *, resource: str = RESOURCE, home: str | None = None, store
         here = Paths.from_env(home)
         home = str(here.home)
         store = store or str(here.store)
+    # SHOAL_* variables are the agents' settings (resolved in each agent, see NodeAgent); any other variable
+    # is the agent process's environment, which Ray sets when it starts the worker (runtime_env)
+    from shoal.config import PREFIX
+
+    settings_env = {k: v for k, v in (env or {}).items() if k.startswith(PREFIX)}
+    process_env = {k: v for k, v in (env or {}).items() if not k.startswith(PREFIX)}
+    extra_options: dict[str, Any] = {"runtime_env": {"env_vars": process_env}} if process_env else {}
     rep = UpReport()
     have = set(agent_names())
     actor_cls = _actor_class()
@@ -80,8 +87,8 @@ def up(address: str, *, resource: str = RESOURCE, home: str | None = None, store
             name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             max_restarts=-1, max_task_retries=0, max_concurrency=10_000, num_cpus=0,
             resources={resource: 0.001},
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=rid, soft=False),
-        ).remote(nid, node_home, store, host, dict(env or {}))
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=rid, soft=False), **extra_options,
+        ).remote(nid, node_home, store, host, settings_env)
         pending[nid] = actor.ensure_started.remote()
     deadline = time.monotonic() + start_timeout_s
     for nid, ref in pending.items():

@@ -13,16 +13,18 @@ The gateway reads images from the shared store (`SHOAL_STORE`): run it where the
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shoal.cluster.transport import ClusterTransport
 from shoal.config import Paths
-from shoal.errors import SandboxNotFound, ShoalError
+from shoal.errors import SandboxNotFound, ShoalError, Unsupported
 from shoal.images.store import ImageStore
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec
 from shoal.records import check_sandbox_id, node_of
@@ -61,7 +63,11 @@ class _ShellStreams:
 
 
 class ClusterFront:
-    """The node side of the API app, for a whole cluster (see the module doc)."""
+    """The node side of the API app, for a whole cluster (see the module doc). Implements the front protocol
+    (shoal.front.Front); what only an embedded node can do raises Unsupported, saying so."""
+
+    #: shoal.front.Front.kind: the node agents hold the records
+    kind: Literal["node", "cluster"] = "cluster"
 
     def __init__(self, url: str, *, home: str | None = None, store: str | None = None,
                  usage_every_s: float = USAGE_EVERY_S) -> None:
@@ -247,6 +253,15 @@ class ClusterFront:
         """Write a file in the sandbox."""
         await self.transport.write_file(sandbox_id, path, data, mode)
 
+    async def write_file_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes],
+                                mode: int = 0o644) -> None:
+        """Write a file from chunks. The cluster transport sends whole files: the gateway joins the chunks
+        first, so here a file is held once in memory (the node's own write streams)."""
+        data = bytearray()
+        async for chunk in chunks:
+            data += chunk
+        await self.transport.write_file(sandbox_id, path, bytes(data), mode)
+
     async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
         """List a directory in the sandbox."""
         return await self.transport.list_dir(sandbox_id, path)
@@ -290,6 +305,23 @@ class ClusterFront:
     async def run_code_many(self, items: list[Any], **kw: Any) -> list[Any]:
         """Snippets on some node's fncall pool."""
         return await self.transport.run_code_many(items, **kw)
+
+    async def restore(self, name: str, n: int = 1, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
+        """Not through a cluster gateway: a VM memory snapshot lives on the node that took it."""
+        raise Unsupported(f"restoring the memory snapshot {name!r} needs the node that holds it: a cluster "
+                          "gateway cannot place it yet; restore it through that node's own server or an embedded "
+                          "node (shoal.Client() on that host), or fork the running sandbox instead")
+
+    async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
+        """Not through a cluster gateway yet."""
+        raise Unsupported(f"CPU classes are set on the sandbox's node: a cluster gateway does not relay "
+                          f"set_cpu_class (sandbox {sandbox_id!r}); use that node's server or an embedded node")
+
+    async def resolve_image(self, ref: str, **kw: Any) -> None:
+        """The nodes pull what they need: refuse here only what no node could get (ImageNotFound)."""
+        from shoal.images.pull import check_available
+
+        await asyncio.to_thread(check_available, self.store, ref)
 
     def node_of(self, sandbox_id: str) -> str:
         """The node that holds a sandbox (from its ID)."""

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from shoal.cluster.raylink import NODE_LABEL, RESOURCE, _keep_loopback
+from shoal.cluster.raylink import NODE_LABEL, RESOURCE, loopback_children
 
 #: how fast Ray's control service declares a silent node dead (what bounds SandboxLost's delay)
 FAST_NODE_FAILURE = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
@@ -59,7 +59,6 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         """Start the head and the worker nodes (a few seconds)."""
-        _keep_loopback()
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="shray-", dir="/tmp")
@@ -72,12 +71,12 @@ class LocalCluster:
         from ray._common.utils import get_default_ray_temp_dir
 
         os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=not self.detached, head_node_args=dict(
-            node_ip_address="127.0.0.1", gcs_server_port=self.port or _free_port(), include_dashboard=False,
-            # Ray's head defaults to fixed ports for these (52365 …): other clusters on this host may hold them
-            dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
-            num_cpus=self.head_cpus, temp_dir=self.temp_dir,
-            _system_config=self.system_config))
+        head = dict(node_ip_address="127.0.0.1", gcs_server_port=self.port or _free_port(), include_dashboard=False,
+                    # Ray's head defaults to fixed ports for these (52365 …): other clusters on this host may hold them
+                    dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
+                    num_cpus=self.head_cpus, temp_dir=self.temp_dir, _system_config=self.system_config)
+        with loopback_children():
+            self.cluster = Cluster(initialize_head=True, shutdown_at_exit=not self.detached, head_node_args=head)
         for _ in range(self.n_workers):
             self.add_worker()
         return self
@@ -86,8 +85,9 @@ class LocalCluster:
         """One more Ray node offering `shoal`."""
         self._seq += 1
         kw: dict[str, Any] = {"labels": {NODE_LABEL: f"w{self._seq}"}} if self.labels else {}
-        node = self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=self.worker_cpus,
-                                     resources={RESOURCE: 1}, **kw)
+        with loopback_children():
+            node = self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=self.worker_cpus,
+                                         resources={RESOURCE: 1}, **kw)
         self.workers.append(node)
         return node
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shoal.errors import CapacityExceeded
+from shoal.limits import DEFAULT_BACKEND
 from shoal.models import SandboxSpec
 from shoal.sched import (
     Cluster,
@@ -49,7 +50,7 @@ def node_state(report: Report, policy: Policy) -> NodeState:
         max_sandboxes=cap, committed_mb=int(mem.get("committed_mb", 0)),
         committed_cpus=float(cpus.get("committed", 0.0)), used_mb=int(mem.get("used_mb", 0)), running=running,
         paused=int(sb.get("paused", 0)), layers=set(report.get("layers") or ()),
-        backends=frozenset(report.get("backends") or ("container",)),
+        backends=frozenset(report.get("backends") or (DEFAULT_BACKEND,)),
         idle_mb={policy.rank(k): int(v) for k, v in (report.get("idle_mb") or {}).items() if k in policy.priorities})
     if room is not None and int(room) <= 0:
         st.healthy = False  # takes nothing now (a cap of 0 would read as "no cap")

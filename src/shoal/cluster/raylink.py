@@ -8,11 +8,13 @@ index of its sandboxes, read when its node is gone).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from shoal.errors import BackendUnavailable, InvalidRequest
@@ -53,14 +55,48 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _keep_loopback() -> None:
-    # Ray rewrites a loopback address (and a driver's own node IP) into the host's outward address
-    # before connecting, unless "cluster mode" is off; a cluster whose nodes bind 127.0.0.1 (tests,
-    # one-machine setups) is then unreachable. Its documented switch is this variable, read at import.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+#: Ray's switch (ray._private.ray_constants.ENABLE_RAY_CLUSTER, read from this variable at import; on by default
+#: on Linux). On: Ray rewrites a loopback address (and a process's own node IP) into the host's outward address,
+#: and `ray start` may add worker nodes. Off: loopback is kept, and `ray start` starts a head only (a worker
+#: aborts: "Multi-node Ray clusters are not supported on Windows and OSX"). So it must be off for a cluster
+#: whose nodes are all on 127.0.0.1 and on (Ray's default) for one on real addresses.
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _ray_default_cluster_mode() -> bool:
+    # what Ray decides by itself (the variable as the user set it, else on except on Windows and macOS);
+    # shoal never writes the variable into its own environment, so this is the user's
     import ray._private.ray_constants as rc
 
-    rc.ENABLE_RAY_CLUSTER = False
+    v = os.environ.get(RAY_CLUSTER_ENV)
+    if v is None:
+        return not rc.IS_WINDOWS_OR_OSX
+    return v.strip().lower() in ("1", "true")
+
+
+def set_cluster_mode(loopback: bool) -> None:
+    """Set Ray's cluster switch in this process for a cluster on loopback (off) or on real addresses (Ray's
+    own default): set per connection, since one process may meet both (tests, a driver that moves on)."""
+    import ray._private.ray_constants as rc
+
+    rc.ENABLE_RAY_CLUSTER = False if loopback else _ray_default_cluster_mode()
+
+
+@contextlib.contextmanager
+def loopback_children() -> Iterator[None]:
+    """Ray processes started inside this block (a loopback LocalCluster's GCS, raylets and, through them, their
+    workers and agents) keep 127.0.0.1: the variable is set for them and put back afterwards, so a `ray start`
+    of a multi-node cluster on real addresses run later from this process is not refused."""
+    set_cluster_mode(loopback=True)
+    before = os.environ.get(RAY_CLUSTER_ENV)
+    os.environ[RAY_CLUSTER_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[RAY_CLUSTER_ENV] = before
 
 
 def connect(address: str) -> None:
@@ -74,9 +110,10 @@ def connect(address: str) -> None:
         if ray.is_initialized():
             return
         kw: dict[str, Any] = {}
-        if address != "auto" and is_loopback(address):
-            _keep_loopback()
-            kw["_node_ip_address"] = "127.0.0.1"
+        if address != "auto":  # `auto` finds a cluster this process (or host) started: its mode stands
+            set_cluster_mode(loopback=is_loopback(address))
+            if is_loopback(address):
+                kw["_node_ip_address"] = "127.0.0.1"
         try:
             ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False,
                      logging_level=logging.WARNING, **kw)

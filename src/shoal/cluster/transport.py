@@ -50,6 +50,7 @@ from shoal.errors import (
     ShellNotFound,
     ShoalError,
 )
+from shoal.limits import MAX_BATCH
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec, StreamEvent
 from shoal.records import check_sandbox_id, node_of
 from shoal.sdk.transport import Transport
@@ -362,7 +363,7 @@ class ClusterTransport(Transport):
         check_spec(spec)
         n = int(n)
         if not 1 <= n <= 100_000:
-            raise InvalidRequest(f"n={n} must be between 1 and 100000")
+            raise InvalidRequest(f"n={n} must be between 1 and {MAX_BATCH}")
         if all_or_nothing:
             return await self._create_gang(spec, n)
         out: list[SandboxInfo | ShoalError] = []

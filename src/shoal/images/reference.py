@@ -61,6 +61,12 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: last word). For schemas that need a pattern (pydantic, OpenAPI): no look-arounds, anchors included.
 REFERENCE_PATTERN = (rf"^(?:{_DOMAIN}/)?[a-z0-9][a-z0-9._/-]*"
                      rf"(?::{_TAG_RE})?(?:@{_DIGEST_RE})?$")
+#: the longest reference `parse_reference` reads at all
+REFERENCE_MAX = NAME_MAX + 140
+#: the repository name (all before the tag or digest) is at most NAME_MAX long: a second pattern over the same
+#: text, since one pattern cannot bound a part of another without look-arounds. The tag suffix here can only
+#: start at the last ':' after the last '/' (a tag holds no '/' or ':'), as the parser reads it.
+NAME_LENGTH_PATTERN = rf"^[^@]{{1,{NAME_MAX}}}(?::{_TAG_RE})?(?:@{_DIGEST_RE})?$"
 #: the same for the name of a new image (a tag, never a digest)
 NEW_NAME_PATTERN = rf"^(?:{_DOMAIN}/)?[a-z0-9][a-z0-9._/-]*(?::{_TAG_RE})?$"
 
@@ -159,7 +165,7 @@ def parse_reference(text: str) -> Reference:
     """Parse a Docker image reference (or a shoal name); InvalidRequest names the bad part."""
     if not isinstance(text, str) or not text:
         raise InvalidRequest("image reference must be a non-empty string like 'python:3.12' or 'base:v1'")
-    if len(text) > NAME_MAX + 140 or any(c.isspace() or ord(c) < 32 for c in text):
+    if len(text) > REFERENCE_MAX or any(c.isspace() or ord(c) < 32 for c in text):
         raise _fail(text[:300], "it is too long or contains spaces or control characters")
     rest, at, digest = text.partition("@")
     if at and not _DIGEST.match(digest):

@@ -44,6 +44,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on the interprete
                               f"pip install 'shoal[harbor]' ({e})", name=e.name) from e
 
 from shoal.errors import InvalidRequest, ShoalError
+from shoal.limits import DEFAULT_BACKEND
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class ShoalEnvironment(BaseEnvironment):
 
     def __init__(self, environment_dir: Path, environment_name: str, session_id: str, trial_paths: Any,
                  task_env_config: Any, *args: Any, url: str | None = None, token: str | None = None,
-                 backend: str = "container", runtime: str | None = None,
+                 backend: str = DEFAULT_BACKEND, runtime: str | None = None,
                  from_map: dict[str, str] | None = None, build_args: dict[str, str] | None = None,
                  ttl_s: float = 6 * 3600, build_network: bool = True, **kwargs: Any) -> None:
         super().__init__(environment_dir, environment_name, session_id, trial_paths, task_env_config,

@@ -20,6 +20,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S
+
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
@@ -63,7 +65,8 @@ class AgentConnections:
         else:
             self._sweepable.discard(sandbox_id)
 
-    async def connect(self, rec: SandboxRecord, backend: Backend, timeout: float = 10.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, backend: Backend, timeout: float = AGENT_CONNECT_TIMEOUT_S
+                      ) -> AgentClient:
         """The cached connection, or a new one from the backend (one connect at a time per sandbox)."""
         c = self.get(rec.id)
         if c is not None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.config import NodeConfig, Paths
+from shoal.config import NodeConfig, Paths, Settings
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import ImageStore
 from shoal.node.admission import Admission
@@ -39,6 +39,8 @@ class NodeContextImpl:
                  backend: Callable[[str], Backend], describe: Callable[[SandboxRecord], SandboxInfo],
                  sandboxes: SandboxHost) -> None:
         self.config = config
+        #: every setting, resolved once where the node was made (backends read these, never `settings()`)
+        self.settings: Settings = config.settings
         self.paths: Paths = config.paths
         self.store = store
         self.layer_mounts = layer_mounts

@@ -8,13 +8,12 @@ control plane (create, close, pause, snapshot). `Node` mixes this class in; it s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import InvalidRequest
 from shoal.limits import (
     DEFAULT_EXEC_TIMEOUT_S,
-    DEFAULT_MAX_OUTPUT_BYTES,
     MAX_EXEC_TIMEOUT_S,
     check_env,
     output_limit,
@@ -138,7 +137,7 @@ class DataPlane:
         check_timeout(timeout)
         c = await self.client(sandbox_id, rec)
         # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
-        cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES)) if max_output is None else max_output
+        cap = int(rec.typed_spec.max_output_bytes) if max_output is None else max_output
         t0 = time.perf_counter()
         h = await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
                                 tty=tty, stdin=stdin)
@@ -162,6 +161,24 @@ class DataPlane:
         if len(data) > self.config.max_file_bytes:
             raise InvalidRequest(f"file too large ({len(data)} bytes > {self.config.max_file_bytes})")
         await self.call(rec, lambda c: c.write_file(path, bytes(data), mode=mode))
+
+    async def write_file_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes],
+                                mode: int = 0o644) -> None:
+        """Write a file in the sandbox from chunks as they come (atomically; parent directories are created):
+        the node holds one chunk at a time. More than the node's largest file is refused (InvalidRequest)."""
+        rec = self.record(sandbox_id)
+        path = _abspath(rec, path)
+        cap = self.config.max_file_bytes
+
+        async def bounded() -> AsyncIterator[bytes]:
+            total = 0
+            async for chunk in chunks:
+                total += len(chunk)
+                if total > cap:
+                    raise InvalidRequest(f"file too large (more than {cap} bytes)")
+                yield chunk
+
+        await self.call(rec, lambda c: c.write_file_stream(path, bounded(), mode=mode))
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
         """List a directory in the sandbox."""
@@ -260,16 +277,16 @@ def _argv(cmd: str | list[str], shell: str) -> list[str]:
 
 
 def _exec_defaults(rec: SandboxRecord, cwd: str | None, user: str | None) -> tuple[str, str | None]:
-    spec = rec.spec
-    return (cwd or spec.get("workdir") or rec.extra.get("workdir") or "/",
-            user or spec.get("user") or rec.extra.get("user") or None)
+    spec = rec.typed_spec
+    return (cwd or spec.workdir or rec.extra.get("workdir") or "/",
+            user or spec.user or rec.extra.get("user") or None)
 
 
 def _output_cap(rec: SandboxRecord, asked: int | None = None) -> int:
     """Output bytes per stream kept for one command run to completion: what the call or the spec asks
     (0: as much as allowed), never more than the sandbox's memory allows (spec.output_limit)."""
-    limit = output_limit(int(rec.spec.get("memory_mb") or 1024))
-    cap = int(rec.spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES)) if asked is None else int(asked)
+    limit = output_limit(int(rec.typed_spec.memory_mb or 1024))
+    cap = int(rec.typed_spec.max_output_bytes) if asked is None else int(asked)
     if cap < 0:
         raise InvalidRequest(f"max_output={asked!r} must be 0 or more bytes")
     if cap > limit:

@@ -32,7 +32,10 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shoal.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +151,8 @@ class EventLog:
         self.counts: collections.Counter[str] = collections.Counter()
 
     @classmethod
-    def from_settings(cls, home: Path | str, node_id: str) -> EventLog:
-        """An event log configured by SHOAL_EVENTS, SHOAL_EVENTS_MAX_MB and SHOAL_EVENTS_COMMANDS."""
-        from shoal.config import settings
-
-        s = settings()
+    def from_settings(cls, home: Path | str, node_id: str, s: Settings) -> EventLog:
+        """An event log configured by the events, events_max_mb and events_commands settings of `s`."""
         return cls(home, node_id, enabled=s.events, max_mb=s.events_max_mb, commands=s.events_commands)
 
     def emit(self, kind: str, sandbox_id: str, project: str = "default", **data: Any) -> None:

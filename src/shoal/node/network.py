@@ -40,7 +40,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from shoal.config import Paths, settings
+from shoal.config import Paths, Settings
 from shoal.egress import NEVER, Box, EgressPolicy, box, box_text, disjoint, read_blocked
 from shoal.errors import BackendUnavailable, CapacityExceeded, SandboxError
 from shoal.fsutil import flocked
@@ -219,11 +219,12 @@ class NetworkManager:
     #: the bridge's address: every sandbox's router and DNS proxy (backends read it here, not from this module)
     gateway = GATEWAY
 
-    def __init__(self, paths: Paths, node_id: str = "node") -> None:
+    def __init__(self, paths: Paths, node_id: str, s: Settings) -> None:
         self.paths = paths
         self.node_id = node_id
+        self.settings = s
         # host-global (not per SHOAL_HOME): every node agent on this host shares the one bridge and subnet
-        self.leases = settings().net_leases
+        self.leases = s.net_leases
         #: one file per source of @infra addresses (a node's egress_deny, a cluster agent's Ray nodes)
         self.blocked_dir = self.leases.parent / "net-blocked"
         self._bridge_ready = False
@@ -235,7 +236,7 @@ class NetworkManager:
         """The resolver networked sandboxes' allowed queries go to (the DNS proxy forwards to it)."""
         if self.upstream:
             return self.upstream if ":" in self.upstream else f"{self.upstream}:53"
-        up = settings().dns_upstream
+        up = self.settings.dns_upstream
         if up:
             return up if ":" in up else f"{up}:53"
         with contextlib.suppress(OSError):
@@ -272,7 +273,7 @@ class NetworkManager:
             with contextlib.suppress(OSError):
                 Path(f"/proc/sys/net/ipv4/conf/{BRIDGE}/rp_filter").write_text("1")
             self.leases.mkdir(parents=True, exist_ok=True)
-            self._write_blocked(f"settings-{self.node_id}", [str(n) for n in _networks(settings().egress_deny)])
+            self._write_blocked(f"settings-{self.node_id}", [str(n) for n in _networks(self.settings.egress_deny)])
             self._install_tables()
             self._sync_infra()
         self._bridge_ready = True

@@ -21,18 +21,20 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from shoal.agentbin import find_agent_binary
 from shoal.backends.base import Backend, Capability
 from shoal.backends.registry import create_backend
-from shoal.config import NodeConfig, settings
+from shoal.config import NodeConfig
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
+from shoal.faults import configure as configure_faults
 from shoal.faults import crash_point
 from shoal.fsutil import sha256_file
 from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S, AGENT_READY_TIMEOUT_S, MAX_BATCH
 from shoal.models import SandboxInfo, StreamEvent
 from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
@@ -54,17 +56,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: largest n of one create_many or fork
-MAX_BATCH = 100_000
 #: closes run at once by close_all / close_many (a close mostly waits: for a killed init, a cgroup, an unmount)
 CLOSE_CONCURRENCY = 64
 
 
 class Node(DataPlane):
-    """One host's sandboxes. Use `async with Node() as node:` or call start()/stop()."""
+    """One host's sandboxes. Use `async with Node() as node:` or call start()/stop(). Implements the front
+    protocol (shoal.front.Front) the server, compat APIs and transports use."""
+
+    #: shoal.front.Front.kind: records and admission are here
+    kind: Literal["node", "cluster"] = "node"
 
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()
+        configure_faults(self.config.settings.fault)
+        from shoal.backends.container.runtime import use_sealed
+
+        use_sealed(self.config.settings.sealed_runtime)
         self.paths = self.config.paths
         self.store = ImageStore(self.paths.store)
         self._image_shells: dict[str, str] = {}
@@ -94,7 +102,7 @@ class Node(DataPlane):
         from shoal.node.events import EventLog
 
         #: what happened to each sandbox, and the commands it ran ($SHOAL_HOME/events; shoal.node.events)
-        self.events = EventLog.from_settings(self.paths.home, self.config.node_id)
+        self.events = EventLog.from_settings(self.paths.home, self.config.node_id, self.config.settings)
         #: bytes the last pause reclaimed, per sandbox paused by this process (the dashboard's "reclaimed")
         self.reclaimed: dict[str, int] = {}
         #: what backends see of this node
@@ -221,7 +229,7 @@ class Node(DataPlane):
         if self._network is None:
             from shoal.node.network import NetworkManager
 
-            self._network = NetworkManager(self.paths, self.config.node_id)
+            self._network = NetworkManager(self.paths, self.config.node_id, self.config.settings)
         return self._network
 
     def check_egress(self, spec: SandboxSpec) -> None:
@@ -232,9 +240,10 @@ class Node(DataPlane):
             return
         from shoal.egress import check_network, check_policy, grants_for
 
-        policy = check_network(spec.network, settings().egress_sets)
+        s = self.config.settings
+        policy = check_network(spec.network, s.egress_sets)
         if policy is not None and policy.cidrs:
-            check_policy(policy, grants_for(spec.egress_grants, settings().egress_allow), self.network().blocked_nets(),
+            check_policy(policy, grants_for(spec.egress_grants, s.egress_allow), self.network().blocked_nets(),
                          who=f"project {spec.project!r}")
 
     def backend(self, name: str) -> Backend:
@@ -274,6 +283,10 @@ class Node(DataPlane):
         """The on-disk record of a sandbox (SandboxNotFound when there is none)."""
         check_sandbox_id(sandbox_id)
         return SandboxRecord.load(self.paths.sandboxes / sandbox_id)
+
+    async def record_async(self, sandbox_id: str) -> SandboxRecord:
+        """`record` (shoal.front.Front: a gateway may have to ask a node; a node has its records here)."""
+        return self.record(sandbox_id)
 
     def describe(self, rec: SandboxRecord) -> SandboxInfo:
         """The SandboxInfo of a record, with its backend's facts in `extra`."""
@@ -375,7 +388,7 @@ class Node(DataPlane):
             crash_point("create.record")
             await backend.create(rec, spec, image)
             try:
-                client = await backend.connect(rec, timeout=30.0)
+                client = await backend.connect(rec, timeout=AGENT_READY_TIMEOUT_S)
             except Exception as e:
                 with contextlib.suppress(Exception):
                     await backend.destroy(rec)
@@ -408,9 +421,9 @@ class Node(DataPlane):
         """A sandbox was handed out to its user (made for it, or taken from a warm pool): count it for
         its job and log it."""
         self.scheduling.created(rec)
-        spec = rec.spec
+        spec = rec.typed_spec
         self.events.emit("created", rec.id, rec.project, image=rec.image, backend=rec.backend,
-                         cpus=spec.get("cpus"), memory_mb=spec.get("memory_mb"), labels=rec.labels or None,
+                         cpus=spec.cpus, memory_mb=spec.memory_mb, labels=rec.labels or None,
                          pooled=True if "pooled_s" in rec.extra else None)
 
     async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None,
@@ -589,7 +602,7 @@ class Node(DataPlane):
             fresh.extra["oom_kills"] = n
             fresh.save()
         rec.extra["oom_kills"] = n
-        data: dict[str, Any] = {"kills": n - seen, "memory_mb": rec.spec.get("memory_mb")}
+        data: dict[str, Any] = {"kills": n - seen, "memory_mb": rec.typed_spec.memory_mb}
         if cmd is not None:
             data["cmd"] = (cmd if isinstance(cmd, str) else " ".join(cmd))[:300]
         if when:
@@ -618,7 +631,7 @@ class Node(DataPlane):
             # requests to many sandboxes at once (an exec in each of 10,000): do not wait SHOAL_AGENT_IDLE_S
             # to give back the connections they are done with
             await self.connections.sweep(idle_s=1.0)
-        return await self.connections.connect(rec, backend, timeout=10.0)
+        return await self.connections.connect(rec, backend, timeout=AGENT_CONNECT_TIMEOUT_S)
 
     async def call(self, rec: SandboxRecord, fn: Callable[[AgentClient], Any]) -> Any:
         """Run `fn(client)`; a lost connection is reported as the sandbox having died, when it has."""
@@ -701,7 +714,7 @@ class Node(DataPlane):
         async with self.locks.state(sandbox_id):
             rec = self.record(sandbox_id)
             got = await backend.set_cpu_class(rec, cpu_class)
-            rec.spec["cpu_class"] = cpu_class
+            rec.spec = {**rec.spec, "cpu_class": cpu_class}  # a new dict: typed_spec follows
             rec.extra["cpu"] = got
             rec.save()
         return got

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from shoal.config import parse_warm_pool, settings
+from shoal.config import parse_warm_pool
 from shoal.errors import InvalidRequest, SandboxNotFound, ShoalError
 from shoal.models import SandboxInfo
 
@@ -208,11 +208,9 @@ class WarmPool:
         await asyncio.gather(*(self.node.close(sid) for sid in ids), return_exceptions=True)
 
 
-def parse_pool_env(value: str | None = None) -> dict[str, int]:
-    """SHOAL_WARM_POOL="base=16,py:3.12=4" → {"base": 16, "py:3.12": 4} (default limits per image); without
-    `value`, the warm_pool setting."""
-    if value is None:
-        return dict(settings().warm_pool)
+def parse_pool_env(value: str) -> dict[str, int]:
+    """SHOAL_WARM_POOL="base=16,py:3.12=4" → {"base": 16, "py:3.12": 4} (default limits per image; the node's
+    own pool comes from its config's warm_pool)."""
     try:
         return parse_warm_pool(value)
     except ValueError as e:

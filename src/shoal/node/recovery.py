@@ -114,7 +114,7 @@ class Recovery:
                     remove_sandbox_dir(Path(entry.path))
         with contextlib.suppress(Exception):
             # writable layers whose sandbox directory is gone (crash before the first record, reboot)
-            pool = UpperPool(node.paths)
+            pool = UpperPool(node.paths, node.config.settings)
             try:
                 pool.sweep_orphans(node.paths.sandboxes)
                 if pool.enforced:
@@ -148,7 +148,7 @@ class Recovery:
                 if dead:
                     self.node.events.emit("lost", rec.id, rec.project, reason="its init process is gone")
                 else:
-                    self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.spec.get("ttl_s"))
+                    self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.typed_spec.ttl_s)
             try:
                 await self.node.close(rec.id, reason="lost" if dead else "timeout")
                 n += 1

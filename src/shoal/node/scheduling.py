@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import CapacityExceeded, GangUnsatisfiable, ShoalError
+from shoal.limits import DEFAULT_BACKEND
 from shoal.sched import (
     Cluster,
     JobBook,
@@ -76,9 +77,7 @@ class NodeScheduling:
     """See the module docstring. One per Node (`node.scheduling`)."""
 
     def __init__(self, node: SchedulingHost, s: Settings | None = None) -> None:
-        from shoal.config import settings
-
-        s = s or settings()
+        s = s or node.config.settings
         self.node = node
         cfg = node.config
         self.policy = Policy.from_settings(s, memory_overcommit=cfg.memory_overcommit,
@@ -172,11 +171,11 @@ class NodeScheduling:
             except ShoalError:
                 continue
             name = self.policy.name(jl.priority)
-            out[name] = out.get(name, 0) + int(rec.spec.get("memory_mb", 0))
+            out[name] = out.get(name, 0) + int(rec.typed_spec.memory_mb)
         return out
 
     # ---- the one-node view -------------------------------------------------------------------------
-    def view(self, *, used: bool = False, backend: str = "container", policy: Policy | None = None,
+    def view(self, *, used: bool = False, backend: str = DEFAULT_BACKEND, policy: Policy | None = None,
              project: str | None = None, last_used: dict[str, float] | None = None, snap: Any = None) -> Cluster:
         """This node as the scheduler sees it: promised and used memory, and every running sandbox
         (with its class, job, last call and — `used=True` — the memory pausing it would give back: its
@@ -218,12 +217,12 @@ class NodeScheduling:
                 from shoal.host.cgroups import SandboxCgroup
 
                 used_mb = (SandboxCgroup(rec.cgroup).working_set_bytes() or 0) >> 20
-            cluster.track(SandboxView(rec.id, state.node_id, int(rec.spec.get("memory_mb", 0)),
-                                      float(rec.spec.get("cpus", 1.0)), jl.priority, jl.job, rec.project,
+            cluster.track(SandboxView(rec.id, state.node_id, int(rec.typed_spec.memory_mb),
+                                      float(rec.typed_spec.cpus), jl.priority, jl.job, rec.project,
                                       rec.state, last_used.get(rec.id, rec.created_at or now), used_mb))
         return cluster
 
-    async def view_async(self, *, used: bool = False, backend: str = "container",
+    async def view_async(self, *, used: bool = False, backend: str = DEFAULT_BACKEND,
                          policy: Policy | None = None, project: str | None = None) -> Cluster:
         """`view` off the event loop (with 10,000 sandboxes it reads 10,000 records), over a snapshot of
         `last_used` taken here, on the loop."""

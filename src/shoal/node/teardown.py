@@ -39,7 +39,7 @@ async def teardown_home(paths: Paths, *, close_sandboxes: bool = False) -> Teard
     finally:
         await node.stop()
     stop_readers(paths)
-    return TeardownReport(closed=closed, pool_unmounted=UpperPool(paths).teardown())
+    return TeardownReport(closed=closed, pool_unmounted=UpperPool(paths, node.config.settings).teardown())
 
 
 def stop_readers(paths: Paths) -> int:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from shoal.errors import InvalidRequest, ShoalError
+from shoal.limits import DEFAULT_BACKEND
 from shoal.rl.grader import SANDBOX_ERROR, Grade, grade_final_state, grade_patch
 from shoal.rl.tasks import HarborTask, SWETask, Task
 
@@ -136,7 +137,7 @@ class SandboxEnv:
                  partial_reward: bool = False, memory_mb: int = 1024, cpus: float = 1.0,
                  grade_semaphore: asyncio.Semaphore | None = None, labels: dict[str, str] | None = None,
                  time_limit_s: float | None = None, ttl_s: float | None = None,
-                 backend: str = "container") -> None:
+                 backend: str = DEFAULT_BACKEND) -> None:
         if not isinstance(task, (SWETask, HarborTask)):
             raise InvalidRequest(f"SandboxEnv needs a SWETask or HarborTask, got {type(task).__name__}")
         if max_steps < 1:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import FileNotFound, ShoalError
+from shoal.limits import DEFAULT_BACKEND
 from shoal.rl.pytest_results import (
     PASS_STATUSES,
     REPORTER_PLUGIN,
@@ -141,7 +142,7 @@ def _reset_tests_script(task: SWETask) -> str:
 
 async def grade_patch(client: Client, task: SWETask, patch: str | None, *, partial: bool = False,
                       timeout_s: float | None = None, memory_mb: int = 1024, cpus: float = 1.0,
-                      labels: dict[str, str] | None = None, backend: str = "container") -> Grade:
+                      labels: dict[str, str] | None = None, backend: str = DEFAULT_BACKEND) -> Grade:
     """Grade a SWE-style submission (a unified diff against the task's base commit) in a fresh sandbox."""
     t0 = time.monotonic()
     phases: dict[str, float] = {}

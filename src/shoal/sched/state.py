@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.limits import DEFAULT_BACKEND
 from shoal.sched.policy import Policy
 
 #: `NodeState.free_disk_mb` of a node that does not report its disk
@@ -22,7 +23,7 @@ class Request:
     cpus: float = 1.0
     memory_mb: int = 1024
     disk_mb: int = 0
-    backend: str = "container"
+    backend: str = DEFAULT_BACKEND
     #: image reference (for reports); placement looks at `layers`
     image: str = ""
     #: digests of the image's layers, bottom first: nodes that have them mounted are preferred
@@ -86,7 +87,7 @@ class NodeState:
     running: int = 0
     paused: int = 0
     healthy: bool = True
-    backends: frozenset[str] = frozenset({"container"})
+    backends: frozenset[str] = frozenset({DEFAULT_BACKEND})
     #: layer digests mounted (or being mounted) on the node
     layers: set[str] = field(default_factory=set)
     #: layer mounts in flight

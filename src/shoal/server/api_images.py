@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from shoal.errors import Forbidden, ImageNotFound, InvalidRequest
 from shoal.fsutil import tmp_name
@@ -38,18 +38,30 @@ from shoal.server.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["images"])
 Who = Annotated[Principal, Depends(authorized)]
+#: a Dockerfile build argument: NAME=VALUE, the value possibly empty (Docker's `--build-arg NAME` alone, taken from
+#: the client's environment, is the client's business: the SDK sends NAME=VALUE)
+BuildArg = Annotated[str, StringConstraints(max_length=100_000, pattern=r"^[^=]+=")]
 RefPath = Annotated[str, PathParam(max_length=300, description="name[:tag] or name@sha256:…")]
 
 
-class PullIn(BaseModel):
-    """A registry image to pull: `reference` (Docker's form, like `docker pull`), or the older skopeo import
-    of `source` (docker://…) under `name` (admin tokens)."""
+class PullRefIn(BaseModel):
+    """A registry image to pull by its reference, as `docker pull` takes it."""
 
     model_config = ConfigDict(extra="forbid")
-    reference: ImageRef | None = Field(None, description="python:3.12-slim, ghcr.io/org/img:tag, name@sha256:…")
-    source: str | None = Field(None, max_length=1000, description="docker://registry/name:tag (skopeo import)")
-    name: NewImageName | None = Field(None, description="name[:tag] in the store (with `source`)")
+    reference: ImageRef = Field(description="python:3.12-slim, ghcr.io/org/img:tag, name@sha256:…")
+
+
+class PullImportIn(BaseModel):
+    """The older skopeo import of `source` (docker://…) under `name` (admin tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1, max_length=1000, description="docker://registry/name:tag (skopeo import)")
+    name: NewImageName = Field(description="name[:tag] in the store")
     tls_verify: bool = True
+
+
+#: one of the two shapes, never a mix (the schema says so: each forbids the other's fields)
+PullIn = PullRefIn | PullImportIn
 
 
 def _lookup(st: Any, ns: Namespace, ref: str) -> str:
@@ -153,7 +165,8 @@ async def build_dockerfile_image(
         name: Annotated[str, Query(max_length=300, pattern=NEW_IMAGE_RE, description="name[:tag] to build")],
         dockerfile: Annotated[str, Query(max_length=1000, description="the Dockerfile's path in the context")] =
         "Dockerfile",
-        build_arg: Annotated[list[str] | None, Query(max_length=1000, description="NAME=VALUE, repeatable")] = None,
+        build_arg: Annotated[list[BuildArg] | None, Query(max_length=1000, description="NAME=VALUE, repeatable")] =
+        None,
         target: Annotated[str | None, Query(max_length=200)] = None,
         platform: Annotated[str | None, Query(max_length=100)] = None,
         no_cache: bool = False, network: bool = True,
@@ -172,9 +185,7 @@ async def build_dockerfile_image(
     target_ref = ns.for_write(name)
     args: dict[str, str] = {}
     for it in build_arg or []:
-        k, eq, v = it.partition("=")
-        if not k or not eq:
-            raise InvalidRequest(f"build_arg {it!r} must look like NAME=VALUE")
+        k, _, v = it.partition("=")  # the schema holds it to NAME=VALUE
         args[k] = v
     df = Path(dockerfile)
     if df.is_absolute() or ".." in df.parts:
@@ -306,14 +317,10 @@ async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]
     itself), or import `source` (docker://…) with skopeo under `name` (admin tokens: any URL)."""
     st = state_of(request)
     ns = Namespace(who)
-    if body.reference is not None:
-        if body.source is not None or body.name is not None:
-            raise InvalidRequest("give `reference` alone, or `source` and `name` (a skopeo import)")
+    if isinstance(body, PullRefIn):
         out = await st.node.pull(body.reference)
         out["image"] = ns.show_image(out["image"])
         return dict(out)
-    if body.source is None or body.name is None:
-        raise InvalidRequest("give `reference` (e.g. python:3.12-slim), or `source` and `name`")
     require_admin(who, "importing from a registry URL")
     from shoal.images.oci import pull_image as _pull
     rep = await asyncio.to_thread(_pull, st.node.store, body.source, ns.for_write(body.name),

@@ -133,13 +133,7 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
                              errors=[{"field": "body.n", "message": f"at most {st.settings.max_batch}"}])
     spec = _spec(st, who, body)
     # a missing image fails the request, not every item (and is pulled once here, not per item)
-    resolve = getattr(st.node, "resolve_image", None)
-    if resolve is not None:
-        await resolve(spec.image)
-    else:  # a cluster gateway: the nodes pull; only refuse what no node could get
-        from shoal.images.pull import check_available
-
-        await asyncio.to_thread(check_available, st.node.store, spec.image)
+    await st.node.resolve_image(spec.image)  # a cluster gateway only refuses what no node could get
     if body.all_or_nothing:
         return await _create_gang(st, who, spec, body.n)
     res = st.quotas.reserve(_owner(st, who, spec.project), body.n, spec.cpus, spec.memory_mb, partial=True)

@@ -117,8 +117,7 @@ def owned_record(st: ServerState, who: Principal, sandbox_id: str) -> SandboxRec
 async def owned(st: ServerState, who: Principal, sandbox_id: str) -> Any:
     """`owned_record` for any node front: a cluster gateway's (`shoal.cluster.gateway`) may have to ask
     the sandbox's node (`record_async`); its result has at least `.project` and `.spec`."""
-    lookup = getattr(st.node, "record_async", None)
-    rec = await lookup(sandbox_id) if lookup is not None else st.node.record(sandbox_id)
+    rec = await st.node.record_async(sandbox_id)
     if not who.admin and rec.project != who.project:
         raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
     return rec

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shoal.backends.fncall import FncallManager
 from shoal.backends.fncall_languages import get_language, supported
 from shoal.errors import BackendUnavailable, InvalidRequest, ShoalError
+from shoal.limits import MAX_RUN_CODE_BATCH
 from shoal.models import RunCodeResult
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 #: most requests one /run_code_many call may carry
-MAX_BATCH = 10_000
+MAX_BATCH = MAX_RUN_CODE_BATCH
 
 
 # ---- SandboxFusion's models (field for field) ------------------------------------------------------------

@@ -41,7 +41,7 @@ class _NodeCollector(Collector):
             by_state[rec.state] += 1
             by_project[rec.project] += 1
             if rec.state in ("creating", "running", "paused"):
-                mem += int(rec.spec.get("memory_mb", 0))
+                mem += int(rec.typed_spec.memory_mb)
         g = GaugeMetricFamily("shoal_sandboxes", "Sandboxes on this node by state", labels=["state"])
         for st in sorted(set(STATES) | set(by_state)):
             g.add_metric([st], by_state.get(st, 0))
@@ -89,7 +89,7 @@ class Metrics:
                                 ["method", "route", "status"], registry=r)
         self.request_seconds = Histogram("shoal_api_request_seconds", "API request latency by route",
                                          ["method", "route"], buckets=_LAT, registry=r)
-        if hasattr(node, "admission"):  # a cluster gateway's front has no records of its own: its nodes report
+        if node.kind == "node":  # a cluster gateway's front has no records of its own: its nodes report
             r.register(_NodeCollector(node, limiter))
 
 

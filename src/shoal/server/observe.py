@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
+from shoal.config import settings
 from shoal.errors import SandboxNotFound, ShoalError
 from shoal.node.events import EventIndex, EventLog
 from shoal.server.live import LiveStats
@@ -378,7 +379,7 @@ class ClusterView:
     def __init__(self, st: ServerState) -> None:
         self.st = st
         self.front: Any = st.node
-        self.log = EventLog.from_settings(self.front.paths.home, "gateway")
+        self.log = EventLog.from_settings(self.front.paths.home, "gateway", settings())
         self.events = EventIndex(self.front.paths.home)
         self.live = LiveStats(lambda: self._figures)
         self._figures: dict[str, Any] = {}
@@ -563,4 +564,4 @@ def _sum_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def view_for(st: ServerState) -> NodeView | ClusterView:
     """The view of a server's node front (see the module doc)."""
-    return NodeView(st) if hasattr(st.node, "admission") else ClusterView(st)
+    return NodeView(st) if st.node.kind == "node" else ClusterView(st)

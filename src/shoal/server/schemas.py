@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S
+from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S, MAX_HTTP_BATCH
 from shoal.models import SandboxInfo
 from shoal.spec import (
     NEW_IMAGE_RE,
@@ -21,7 +21,7 @@ from shoal.spec import (
 )
 
 #: largest `n` of one batch create or fork (a server may set a lower limit)
-MAX_BATCH = 4096
+MAX_BATCH = MAX_HTTP_BATCH
 #: an absolute path inside the sandbox
 AbsPath = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
 #: a command: a non-empty string, or a non-empty argv

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.errors import CapacityExceeded
+from shoal.limits import DEFAULT_BACKEND
 from shoal.sched import (
     Cluster,
     FairQueue,
@@ -269,7 +270,7 @@ class Simulation:
         p = self.policy
         prio = p.rank(rec.priority or None)
         job = rec.job or f"project:{rec.project}"
-        req = Request(rec.cpus, rec.memory_mb, 0, "container", rec.image, rec.layers, prio, job, rec.project)
+        req = Request(rec.cpus, rec.memory_mb, 0, DEFAULT_BACKEND, rec.image, rec.layers, prio, job, rec.project)
         self._ids += 1
         sb = SimSandbox(str(self._ids), "", rec.memory_mb, rec.cpus, prio, job, rec.project, "running", 0.0,
                         rec.used_mb, rec, req, rec.t)

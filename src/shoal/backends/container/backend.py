@@ -28,7 +28,6 @@ from shoal.backends.container.reclaim import drop_working_set, prefetch_before_t
 from shoal.backends.container.runtime import OciRuntime, RuntimeStatus, pick_runtime
 from shoal.backends.container.volatile import VolatileDirs, remove_sandbox_dir
 from shoal.backends.registry import make_runtime
-from shoal.config import settings
 from shoal.egress import check_network, grants_for
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.faults import crash_point
@@ -36,6 +35,7 @@ from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
 from shoal.images.store import Image
+from shoal.limits import AGENT_READY_TIMEOUT_S
 from shoal.records import SandboxRecord, proc_starttime
 from shoal.spec import SandboxSpec
 
@@ -153,10 +153,10 @@ class ContainerBackend(Backend):
         self.layer_mounts = ctx.layer_mounts
         self.guest_dir = ctx.guest_dir
         self.default_runtime = ctx.config.runtime
-        self.upper_pool = UpperPool(ctx.paths)
+        self.upper_pool = UpperPool(ctx.paths, ctx.settings)
         self._runtimes: dict[str, OciRuntime] = {}
         # sandbox directories (record, bundle, socket) in memory: see shoal.backends.container.volatile
-        self.volatile = VolatileDirs(ctx.paths)
+        self.volatile = VolatileDirs(ctx.paths, enabled=ctx.settings.sandbox_tmpfs)
         # agent connections opened while the runtime starts the sandbox (see create/connect)
         self._connecting: dict[str, asyncio.Task] = {}
         self._swap_cache: dict[int, tuple[float, int | None]] = {}
@@ -168,7 +168,7 @@ class ContainerBackend(Backend):
         #: keeps the upper pool's reserve for bystanders while this process has sandboxes (disk_guard.py)
         self._disk_guard: asyncio.Task | None = None
         #: sandboxes swapping past their memory limit run as batch while they do (shoal.backends.container.swapwatch)
-        self.swap_watch = swapwatch.SwapWatch() if settings().swap_demote and swapwatch.supported() else None
+        self.swap_watch = swapwatch.SwapWatch() if ctx.settings.swap_demote and swapwatch.supported() else None
         self._cpu_own: dict[str, str] = {}  # the class each watched sandbox returns to
         self._cpu_moves: dict[str, asyncio.Task] = {}  # its last class change, while it runs
 
@@ -208,7 +208,7 @@ class ContainerBackend(Backend):
         hit = self._swap_cache.get(memory_mb)
         if hit is not None and now - hit[0] < 1.0:
             return hit[1]
-        val = sandbox_swap_mb(memory_mb)
+        val = sandbox_swap_mb(memory_mb, self.ctx.settings.sandbox_swap)
         self._swap_cache[memory_mb] = (now, val)
         return val
 
@@ -216,7 +216,7 @@ class ContainerBackend(Backend):
         # without swap a sandbox at its limit is OOM-killed at once: nothing to watch
         if "swap_mb" in rec.extra:
             return bool(rec.extra["swap_mb"])
-        return bool(self._swap_mb(int(rec.spec.get("memory_mb") or 0)))  # a record from an older shoal
+        return bool(self._swap_mb(int(rec.typed_spec.memory_mb or 0)))  # a record from an older shoal
 
     def _ensure_guard(self) -> None:
         # started by the first sandbox this process makes or reaches (one per node process)
@@ -226,10 +226,10 @@ class ContainerBackend(Backend):
     def _watch_swap(self, rec: SandboxRecord) -> None:
         if self.swap_watch is None or not rec.cgroup or self.swap_watch.watching(rec.id):
             return
-        own = str(rec.spec.get("cpu_class") or cpuclass.DEFAULT_CPU_CLASS)
+        own = str(rec.typed_spec.cpu_class or cpuclass.DEFAULT_CPU_CLASS)
         if own == cpuclass.BATCH:
             return
-        cgroup, cpus, sid = rec.cgroup, float(rec.spec.get("cpus", 1.0)), rec.id
+        cgroup, cpus, sid = rec.cgroup, float(rec.typed_spec.cpus), rec.id
 
         async def move(over: bool, before: asyncio.Task | None) -> None:
             if before is not None:
@@ -256,7 +256,7 @@ class ContainerBackend(Backend):
             task.add_done_callback(lambda t: self._cpu_moves.get(sid) is t and self._cpu_moves.pop(sid, None))
 
         self._cpu_own[sid] = own
-        if not self.swap_watch.watch(sid, cgroup, int(rec.spec.get("memory_mb") or 0) << 20, crossed):
+        if not self.swap_watch.watch(sid, cgroup, int(rec.typed_spec.memory_mb or 0) << 20, crossed):
             self._cpu_own.pop(sid, None)
 
     async def close(self) -> None:
@@ -323,11 +323,11 @@ class ContainerBackend(Backend):
             resolv = None
             if spec.network:
                 net = self.ctx.network()
-                policy = check_network(spec.network, settings().egress_sets)
+                policy = check_network(spec.network, self.ctx.settings.egress_sets)
                 # network=True: the protected destinations the operator's policy grants (shoal.egress);
                 # an allowlist reaches what its rules name (checked against the policy by Node.create)
                 grants = None if policy is not None else grants_for(
-                    spec.egress_grants, settings().egress_allow).boxes(net.blocked_nets())
+                    spec.egress_grants, self.ctx.settings.egress_allow).boxes(net.blocked_nets())
                 netns = await net.setup(rec, policy, spec.egress_mbps, grants)
                 # every networked sandbox asks the node's DNS proxy (shoal.node.dnsproxy), named in a
                 # resolv.conf of the node's own: no host file (nor its path and device) is bound in
@@ -425,7 +425,7 @@ class ContainerBackend(Backend):
             client = await task
             await client.close()
 
-    async def connect(self, rec: SandboxRecord, timeout: float = 30.0) -> AgentClient:
+    async def connect(self, rec: SandboxRecord, timeout: float = AGENT_READY_TIMEOUT_S) -> AgentClient:
         """Connect to the agent's socket in the sandbox directory (the connection create() opened, if any)."""
         if rec.extra.get("projid"):
             self._ensure_guard()
@@ -572,7 +572,7 @@ class ContainerBackend(Backend):
             raise SandboxError(f"sandbox {rec.id} has no cgroup to put in a CPU class")
         if rec.id in self._cpu_own:
             self._cpu_own[rec.id] = cpu_class  # where it returns once it stops swapping past its limit
-        return await asyncio.to_thread(cpuclass.apply, rec.cgroup, cpu_class, float(rec.spec.get("cpus", 1.0)),
+        return await asyncio.to_thread(cpuclass.apply, rec.cgroup, cpu_class, float(rec.typed_spec.cpus),
                                        rec.init_pid)
 
     def info(self, rec: SandboxRecord) -> dict[str, Any]:

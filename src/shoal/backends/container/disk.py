@@ -19,7 +19,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from shoal.config import Paths, settings
+from shoal.config import Paths, Settings
 from shoal.fsutil import flocked
 from shoal.host import syscalls
 from shoal.host.spawn import run_sync
@@ -85,11 +85,10 @@ def _mkfs_btrfs(argv: list[str]) -> None:
 class UpperPool:
     """Where sandboxes' writable layers live, size-limited when btrfs quotas are available."""
 
-    def __init__(self, paths: Paths, size_gb: int | None = None) -> None:
+    def __init__(self, paths: Paths, s: Settings, size_gb: int | None = None) -> None:
         self.paths = paths
         self.mountpoint = paths.home / "uppers"
         self.image = paths.home / "uppers.btrfs"
-        s = settings()
         self.size_gb = size_gb or s.upper_pool_gb
         self._fd: int | None = None
         self.enforced: bool | None = None
@@ -318,7 +317,7 @@ class UpperPool:
         from shoal.backends.container.volatile import VolatileDirs
 
         with contextlib.suppress(OSError):
-            VolatileDirs(self.paths).teardown()
+            VolatileDirs(self.paths, enabled=False).teardown()
         with contextlib.suppress(OSError):
             GuestFiles(self.paths, Path()).teardown()
         self.close()

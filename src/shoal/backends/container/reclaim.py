@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.config import settings
 from shoal.errors import BackendUnavailable, InvalidRequest, SandboxError
 from shoal.host.cgroups import SandboxCgroup
 from shoal.host.spawn import run_sync
@@ -573,18 +572,18 @@ def _memsw_supported() -> bool:
     return (CGROUP_ROOT / "memory" / "memory.memsw.limit_in_bytes").exists()
 
 
-def sandbox_swap_mb(memory_mb: int) -> int | None:
+def sandbox_swap_mb(memory_mb: int, policy: str = "auto") -> int | None:
     """Swap a *running* container sandbox may use (memsw limit = memory + this); None = leave the
     runtime's default (used when the host has no swap, or no swap accounting).
 
-    `SHOAL_SANDBOX_SWAP`: `auto` (default) = as much swap as memory; `0` = none (an over-limit sandbox
-    is OOM-killed at once instead of thrashing); a size (e.g. `512M`) = that much. Reclaim of a
-    *paused* sandbox moves its pages to swap whatever this says: moving a page from RAM to swap does
-    not change memory+swap.
+    `policy` (the node's `sandbox_swap` setting, SHOAL_SANDBOX_SWAP): `auto` (default) = as much swap as
+    memory; `0` = none (an over-limit sandbox is OOM-killed at once instead of thrashing); a size (e.g.
+    `512M`) = that much. Reclaim of a *paused* sandbox moves its pages to swap whatever this says: moving a
+    page from RAM to swap does not change memory+swap.
     """
     if not swap_active() or not _memsw_supported():
         return None
-    pol = settings().sandbox_swap  # "auto", "0" or a size (checked when the settings load)
+    pol = policy  # "auto", "0" or a size (checked when the settings load)
     if pol == "auto":
         return int(memory_mb)
     if pol == "0":

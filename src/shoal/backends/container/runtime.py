@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.config import Paths, settings
+from shoal.config import Paths
 from shoal.errors import BackendUnavailable, SandboxError
 from shoal.host import cgroups
 from shoal.host.spawn import Completed, run, run_sync
@@ -31,9 +31,17 @@ from shoal.host.spawn import Completed, run, run_sync
 # CVE-2019-5736: a container overwriting the host binary through /proc/self/exe) unless they already
 # run from a sealed memfd. One sealed copy per node process saves that second exec, plus a bind mount
 # and a lazy unmount, on every runtime call: `crun state` costs 2.0 ms of CPU instead of 4.3 ms here.
-# SHOAL_SEALED_RUNTIME=0 turns it off. (A host upgrade of the binary is picked up by a node restart.)
+# The sealed_runtime setting (SHOAL_SEALED_RUNTIME=0) turns it off: a Node passes its settings' value to
+# use_sealed() when it is made. (A host upgrade of the binary is picked up by a node restart.)
 _MEMFD_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 _sealed: dict[tuple[int, str], str] = {}
+_use_sealed = True
+
+
+def use_sealed(enabled: bool) -> None:
+    """Run crun/runc from a sealed in-memory copy (True, the default) or from the host binary."""
+    global _use_sealed
+    _use_sealed = bool(enabled)
 
 
 _LINK_DIR = "/run/shoal-exec"
@@ -59,7 +67,7 @@ def _named_link(target: str, name: str) -> str:
 
 def sealed_executable(binary: str) -> str:
     """Path of a sealed in-memory copy of `binary` (/proc/<pid>/fd/N), or `binary` when that cannot work."""
-    if not settings().sealed_runtime:
+    if not _use_sealed:
         return binary
     key = (os.getpid(), os.path.realpath(binary))
     path = _sealed.get(key)

@@ -23,7 +23,7 @@ import logging
 import os
 from pathlib import Path
 
-from shoal.config import Paths, settings
+from shoal.config import Paths
 from shoal.fsutil import flocked
 from shoal.host import syscalls
 
@@ -36,12 +36,13 @@ _TMPFS_OPTS = "mode=0755,size=25%"
 class VolatileDirs:
     """The tmpfs under `$SHOAL_HOME/volatile` holding container sandbox directories."""
 
-    def __init__(self, paths: Paths) -> None:
+    def __init__(self, paths: Paths, enabled: bool = True) -> None:
         self.paths = paths
         self.root = paths.home / "volatile"
         #: where sandbox directories go (the name keeps "/sandboxes/" in every path, as before)
         self.sandboxes = self.root / "sandboxes"
-        self.enabled = settings().sandbox_tmpfs
+        #: the sandbox_tmpfs setting (a node passes its own; teardown only needs the paths)
+        self.enabled = enabled
         self._ready = False
 
     def ensure(self) -> bool:

@@ -28,7 +28,7 @@ import shoal
 from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
-from shoal.bench.scenarios.common import private_home
+from shoal.bench.scenarios.common import private_home, shoal_child_env
 from shoal.bench.stats import latency_summary
 
 SPEC = {"memory_mb": 64, "cpus": 0.25, "ttl_s": 3600}
@@ -128,7 +128,7 @@ async def _http_client(home: Path, timeout: float) -> AsyncIterator[tuple[shoal.
     from shoal.server.tokens import TokenStore
 
     token = TokenStore(home).create("bench", name="bench_api")
-    env = dict(os.environ, SHOAL_HOME=str(home))
+    env = shoal_child_env(SHOAL_HOME=str(home))
     srv = ServerProcess(env=env, log_path=home / "server.log", token=token)
     await asyncio.to_thread(srv.start)
     try:

@@ -134,6 +134,17 @@ async def gather_bounded(coros: list[Awaitable[T]], limit: int = 8) -> list[T]:
     return list(await asyncio.gather(*(one(c) for c in coros)))
 
 
+def shoal_child_env(**extra: str) -> dict[str, str]:
+    """The environment of a shoal process a scenario starts (a server, `shoal fncall serve`): this process's
+    environment plus its settings' layer store (the run's, see run_bench) and `extra` — a child is configured
+    through its own environment at its start, never by changing this process's."""
+    import os
+
+    from shoal.config import settings
+
+    return {**os.environ, "SHOAL_STORE": str(settings().store), **extra}
+
+
 @contextlib.asynccontextmanager
 async def private_home(prefix: str) -> AsyncIterator[Path]:
     """A SHOAL_HOME of its own (short path: agent sockets live in it); emptied and removed afterwards."""

@@ -20,7 +20,6 @@ Needs the `compat` extra (`pip install -e .[compat]`); without it the scenario s
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from shoal.bench.context import BenchContext
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
+from shoal.bench.scenarios.common import shoal_child_env
 from shoal.bench.scenarios.compat_agents import fusion_languages, swe_agent_step
 from shoal.bench.scenarios.compat_ports import get_host_round_trip
 from shoal.bench.stats import latency_summary
@@ -66,7 +66,7 @@ async def run(ctx: BenchContext, p: CompatParams) -> ScenarioResult:
 
     n = max(1, p.rounds)
     token = TokenStore(ctx.home).create("bench-compat", name="shoal bench compat")
-    srv = ServerProcess(env=dict(os.environ, SHOAL_HOME=str(ctx.home)), log_path=ctx.home / "compat-server.log",
+    srv = ServerProcess(env=shoal_child_env(SHOAL_HOME=str(ctx.home)), log_path=ctx.home / "compat-server.log",
                         token=token)
     srv.start()
     try:

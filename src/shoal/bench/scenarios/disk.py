@@ -81,7 +81,7 @@ async def shoal_disk(ctx: BenchContext, n: int) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             node.layer_mounts.reconcile(set())
         with contextlib.suppress(Exception):
-            UpperPool(node.paths).teardown()
+            UpperPool(node.paths, node.config.settings).teardown()
         fs.destroy()
 
 

@@ -69,7 +69,7 @@ async def fncall_bench(ctx: BenchContext, p: FncallParams) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     from shoal.backends.fncall import FncallConfig
 
-    pool = FncallConfig().max_size
+    pool = FncallConfig.from_settings(st).max_size
     out: dict[str, Any] = {
         "config": {"n": n, "concurrency": concurrency, "snippet": snippet, "warmup": warmup, "cpus": os.cpu_count(),
                    "pool_max_size": pool, "loadavg_before": os.getloadavg()[0],

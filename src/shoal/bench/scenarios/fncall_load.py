@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 import shoal
+from shoal.bench.scenarios.common import shoal_child_env
 
 
 def _free_port() -> int:
@@ -232,7 +233,7 @@ def shoal_fncall_server(log_dir: Path, pool: int, home: Path) -> Any:
     """`shoal fncall serve` as a child process on SHOAL_HOME `home`, its python pool warmed to `pool` workers."""
     port = _free_port()
     log = log_dir / "bench_fncall-shoal-server.log"
-    env = dict(os.environ, SHOAL_HOME=str(home))
+    env = shoal_child_env(SHOAL_HOME=str(home))
     with open(log, "wb") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "shoal.cli.main", "fncall", "serve", "--port", str(port),
                                  "--warm", f"python={pool}"], stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,

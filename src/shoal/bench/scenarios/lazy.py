@@ -42,7 +42,7 @@ from shoal.bench.diskstats import (
 from shoal.bench.results import Metric, ScenarioResult
 from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.lazy_docker import docker_writes
-from shoal.config import NodeConfig, Paths
+from shoal.config import NodeConfig, Paths, Settings
 from shoal.errors import BackendUnavailable
 from shoal.images.mounts import LayerMounts, erofs_mode
 from shoal.images.store import ImageStore
@@ -142,7 +142,7 @@ async def run_image_bench(shared: ImageStore, *, image: str = "base:latest", n: 
         results["writes"] = {"shoal": await _shoal_writes(node, spec, paths, scratch, n, rounds, log)}
         # where shoal's own writes come from: the same without per-sandbox disk limits (no btrfs pool)
         results["writes"]["shoal_no_disk_limits"] = await _variant_writes(
-            {"SHOAL_DISK_LIMITS": "0"}, spec, Paths(home=scratch.mnt / "h2", store=paths.store), scratch, n,
+            {"disk_limits": False}, spec, Paths(home=scratch.mnt / "h2", store=paths.store), scratch, n,
             rounds, log)
         if docker:
             try:
@@ -277,28 +277,22 @@ async def _shoal_writes(node: Any, spec: Any, paths: Paths, scratch: ScratchFs, 
     return res
 
 
-async def _variant_writes(env: dict[str, str], spec: Any, paths: Paths, scratch: ScratchFs, n: int,
+async def _variant_writes(changes: dict[str, object], spec: Any, paths: Paths, scratch: ScratchFs, n: int,
                           rounds: int, log: Callable[[str], None]) -> dict:
-    """_shoal_writes with a node configured by extra environment variables (restored afterwards)."""
+    """_shoal_writes with a node of its own whose settings differ by `changes` ({setting: value})."""
+    from shoal.config import settings
     from shoal.node.node import Node
 
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    node = Node(NodeConfig(paths=paths))
+    node = Node(NodeConfig(settings=settings().replace(**changes), paths=paths))
     try:
         await node.start(reap=False, reconcile=False)
         info = await node.create(spec)  # warm-up
         await node.close(info.id)
-        log(f"variant {env}:")
+        log(f"variant {changes}:")
         res = await _shoal_writes(node, spec, paths, scratch, n, rounds, log)
-        res["env"] = env
+        res["env"] = {Settings.env_name(k): v for k, v in changes.items()}  # the key earlier results used
         return res
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         with contextlib.suppress(Exception):
             await node.close_all()
         await node.stop()

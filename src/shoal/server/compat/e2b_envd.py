@@ -39,7 +39,7 @@ from shoal.server.compat.connect import (
     timeout_s,
     unary,
 )
-from shoal.server.compat.e2b_procs import table
+from shoal.server.compat.e2b_procs import _int, table
 from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
 from shoal.server.tokens import Principal
@@ -85,6 +85,24 @@ def _b64(value: Any, field: str) -> bytes:
         raise RpcError("invalid_argument", f"{field} is not valid base64") from None
 
 
+def _obj(msg: dict[str, Any], field: str, where: str = "") -> dict[str, Any]:
+    """A message field that must be an object (absent or null: empty); another type is invalid_argument."""
+    v = msg.get(field)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise RpcError("invalid_argument", f"{where}{field} must be an object, not {type(v).__name__}")
+    return v
+
+
+def _size(pty: dict[str, Any], default: int) -> tuple[int, int]:
+    """(rows, cols) of a PTY message (protojson uint32: numbers or strings of digits), each 1-65535."""
+    size = _obj(pty, "size", "pty.")
+    rows = _int(size["rows"], "pty.size.rows") if size.get("rows") not in (None, 0, "0") else default
+    cols = _int(size["cols"], "pty.size.cols") if size.get("cols") not in (None, 0, "0") else default
+    return rows, cols
+
+
 # ---- process.Process ----------------------------------------------------------------------------
 _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
@@ -95,7 +113,7 @@ async def process_start(request: Request) -> Response:
 
     async def handler(msg: dict[str, Any]) -> Any:
         st, who, sid = _target(request)
-        cfg = msg.get("process") or {}
+        cfg = _obj(msg, "process")
         cmd = cfg.get("cmd")
         if not isinstance(cmd, str) or not cmd:
             raise RpcError("invalid_argument", "process.cmd is required")
@@ -105,18 +123,23 @@ async def process_start(request: Request) -> Response:
             raise RpcError("invalid_argument", "process.args must be a list of strings")
         if not isinstance(envs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
             raise RpcError("invalid_argument", "process.envs must map strings to strings")
-        pty = msg.get("pty")
-        size = (pty or {}).get("size") or {}
-        rows, cols = int(size.get("rows") or 24), int(size.get("cols") or 80)
+        cwd = cfg.get("cwd")
+        if cwd is not None and not isinstance(cwd, str):
+            raise RpcError("invalid_argument", "process.cwd must be a string")
+        pty = _obj(msg, "pty") if msg.get("pty") is not None else None
+        rows, cols = _size(pty or {}, 0)
+        rows, cols = rows or 24, cols or 80
         if not (0 < rows < 65536 and 0 < cols < 65536):
             raise RpcError("invalid_argument", "pty size must be 1-65535 rows and cols")
         tag = msg.get("tag")
+        if tag is not None and not isinstance(tag, str):
+            raise RpcError("invalid_argument", "tag must be a string")
         procs = table(st)
         argv = await _string_command_shell(st, sid, [cmd, *args])
         async with common.slot(st, who):
-            p = await procs.start(st, sid, argv, env=envs, cwd=cfg.get("cwd") or None, user=_user(request),
-                                  timeout=timeout_s(request), tty=pty is not None, stdin=bool(msg.get("stdin")),
-                                  tag=tag if isinstance(tag, str) else None, rows=rows, cols=cols)
+            p = await procs.start(st, sid, argv, env=envs, cwd=cwd or None, user=_user(request),
+                                  timeout=timeout_s(request), tty=pty is not None, stdin=msg.get("stdin") is True,
+                                  tag=tag, rows=rows, cols=cols)
         q = p.listen()
         procs.run(p)
         return procs.events(p, q, _keepalive(request))
@@ -171,10 +194,10 @@ async def process_send_input(request: Request) -> Response:
 
     async def handler(msg: dict[str, Any]) -> dict[str, Any]:
         st, _who, sid = _target(request)
-        p = table(st).find(sid, msg.get("process"))
-        inp = msg.get("input") or {}
+        inp = _obj(msg, "input")  # the message is checked whole before the process is looked up
         key = "pty" if "pty" in inp else "stdin"
         data = _b64(inp.get(key, ""), f"input.{key}")
+        p = table(st).find(sid, msg.get("process"))
         if not p.stdin:
             raise RpcError("failed_precondition", f"process {p.pid} was not started with stdin=True")
         await p.handle.write_stdin(data)
@@ -204,7 +227,8 @@ async def process_send_signal(request: Request) -> Response:
 
     async def handler(msg: dict[str, Any]) -> dict[str, Any]:
         st, _who, sid = _target(request)
-        sig = _SIGNALS.get(msg.get("signal"))  # type: ignore[arg-type]
+        raw = msg.get("signal")
+        sig = _SIGNALS.get(raw) if isinstance(raw, (str, int)) and not isinstance(raw, bool) else None
         if sig is None:
             raise RpcError("invalid_argument", f"signal {msg.get('signal')!r} is not one of SIGNAL_SIGKILL, "
                                                "SIGNAL_SIGTERM")
@@ -224,13 +248,13 @@ async def process_stream_input(request: Request) -> Response:
         p = None
         async for msg in messages:
             if "start" in msg:
-                p = table(st).find(sid, (msg["start"] or {}).get("process"))
+                p = table(st).find(sid, _obj(msg, "start").get("process"))
                 if not p.stdin:
                     raise RpcError("failed_precondition", f"process {p.pid} was not started with stdin=True")
             elif "data" in msg:
                 if p is None:
                     raise RpcError("failed_precondition", "the input stream must start with a start event")
-                inp = (msg["data"] or {}).get("input") or {}
+                inp = _obj(_obj(msg, "data"), "input", "data.")
                 key = "pty" if "pty" in inp else "stdin"
                 await p.handle.write_stdin(_b64(inp.get(key, ""), f"input.{key}"))
             # keepalive messages only keep the stream open
@@ -247,11 +271,10 @@ async def process_update(request: Request) -> Response:
 
     async def handler(msg: dict[str, Any]) -> dict[str, Any]:
         st, _who, sid = _target(request)
+        rows, cols = _size(_obj(msg, "pty"), 0)
         p = table(st).find(sid, msg.get("process"))
-        size = ((msg.get("pty") or {}).get("size")) or {}
         if not p.tty:
             raise RpcError("failed_precondition", f"process {p.pid} has no PTY to resize")
-        rows, cols = int(size.get("rows") or 0), int(size.get("cols") or 0)
         if not (0 < rows < 65536 and 0 < cols < 65536):
             raise RpcError("invalid_argument", "pty size must be 1-65535 rows and cols")
         await p.handle.resize(rows, cols)

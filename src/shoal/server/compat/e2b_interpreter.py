@@ -251,7 +251,10 @@ async def execute(request: Request) -> Response:
     env = body.get("env_vars") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise InvalidRequest("env_vars must map strings to strings")
-    ctx = contexts(st).get(sid, body.get("context_id"))
+    cid = body.get("context_id")
+    if cid is not None and not isinstance(cid, str):
+        raise InvalidRequest(f"context_id must be a string (a context's id), not {type(cid).__name__}")
+    ctx = contexts(st).get(sid, cid)
 
     async def lines() -> AsyncIterator[bytes]:
         async with ctx.lock:

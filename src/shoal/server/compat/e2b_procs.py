@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shoal.errors import InvalidRequest
 from shoal.server.compat import common
 from shoal.server.compat.connect import RpcError, rpc_error
 
@@ -97,15 +96,26 @@ class ProcessTable:
         """Running processes of a sandbox."""
         return [p for p in self._by_sandbox.get(sandbox_id, {}).values() if not p.ended.is_set()]
 
-    def find(self, sandbox_id: str, selector: dict[str, Any] | None) -> Proc:
-        """The running process a ProcessSelector (`{"pid": n}` or `{"tag": s}`) names; not_found otherwise."""
-        selector = selector or {}
+    def find(self, sandbox_id: str, selector: Any) -> Proc:
+        """The running process a ProcessSelector (`{"pid": n}` or `{"tag": s}`) names; not_found otherwise.
+        A selector of the wrong shape is invalid_argument (E2B's own answer to a malformed message)."""
+        if selector is None:
+            selector = {}
+        if not isinstance(selector, dict):
+            raise RpcError("invalid_argument", f"process must be a ProcessSelector object ({{\"pid\": n}} or "
+                                               f"{{\"tag\": s}}), not {type(selector).__name__}")
+        pid = _int(selector["pid"]) if selector.get("pid") is not None else None
+        tag = selector.get("tag")
+        if tag is not None and not isinstance(tag, str):
+            raise RpcError("invalid_argument", f"process.tag must be a string, not {type(tag).__name__}")
+        if pid is None and tag is None:
+            raise RpcError("invalid_argument", "process must name a pid or a tag")
         for p in self.procs(sandbox_id):
-            if "pid" in selector and p.pid == _int(selector["pid"]):
+            if pid is not None and p.pid == pid:
                 return p
-            if "tag" in selector and p.tag is not None and p.tag == selector["tag"]:
+            if tag is not None and p.tag is not None and p.tag == tag:
                 return p
-        what = f"pid {selector['pid']}" if "pid" in selector else f"tag {selector.get('tag')!r}"
+        what = f"pid {pid}" if pid is not None else f"tag {tag!r}"
         raise RpcError("not_found", f"process with {what} not found (it ended, or was started through another "
                                     "server process)")
 
@@ -190,8 +200,15 @@ def table(st: ServerState) -> ProcessTable:
     return common.server_local(st, "procs", ProcessTable)
 
 
-def _int(v: Any) -> int:
+def _int(v: Any, field: str = "process.pid") -> int:
+    """A protobuf integer as protojson writes it: a number, or a string of digits; anything else is
+    invalid_argument."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise RpcError("invalid_argument", f"{field} must be an integer, not {type(v).__name__}")
     try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"pid {v!r} is not a number") from None
+        n = int(v) if not isinstance(v, float) or v.is_integer() else None
+    except ValueError:
+        n = None
+    if n is None:
+        raise RpcError("invalid_argument", f"{field} {v!r} is not an integer")
+    return n

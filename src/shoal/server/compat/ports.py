@@ -28,6 +28,7 @@ import httpcore
 
 from shoal.config import settings
 from shoal.errors import PortNotOpen, SandboxNotFound, ShoalError, Timeout, Unauthorized
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S
 from shoal.server.compat import common
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ _OURS = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"
 #: hop-by-hop headers (RFC 9110 §7.6.1): about one connection, not the message
 _HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
         b"upgrade", b"proxy-connection"}
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = AGENT_CONNECT_TIMEOUT_S
 
 
 # ---- access -----------------------------------------------------------------------------------------

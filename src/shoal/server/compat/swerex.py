@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import posixpath
 import signal
 import zipfile
+import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -500,35 +501,81 @@ async def write_file(sandbox_id: str, request: Request) -> Response:
     return JSONResponse({})
 
 
-def _members(data: bytes, limit: int) -> list[tuple[str, bytes | None, int]]:
-    """(relative path, bytes or None for a directory, mode) of a zip's members; refuses unsafe paths and
-    archives that unpack to more than `limit` bytes."""
-    try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise Transfer("builtins.ValueError", f"unzip=true but the upload is not a zip file: {e}") from None
+#: what a zip can do wrong while it is read (besides BadZipFile): a bad deflate stream, a truncated member, a
+#: compression method or encryption zipfile cannot read
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, OSError)
+#: the decompressed bytes one upload holds at a time (a chunk read from the zip, then sent into the sandbox)
+UNZIP_CHUNK = 256 * 1024
+
+
+def _bad_zip(e: BaseException) -> Transfer:
+    return Transfer("builtins.ValueError", f"unzip=true but the upload is not a readable zip file: "
+                                           f"{type(e).__name__}: {e}")
+
+
+def _plan(zf: zipfile.ZipFile, limit: int) -> list[tuple[zipfile.ZipInfo, str, int]]:
+    """(member, relative path, mode) of a zip's members; refuses unsafe paths and archives whose members say
+    they unpack to more than `limit` bytes (zipfile never reads a member past the size it declares), and
+    checks every member's data (CRC) first, streaming, so a corrupt zip is refused before anything is written."""
     total = 0
-    out: list[tuple[str, bytes | None, int]] = []
-    with zf:
-        for info in zf.infolist():
-            name = info.filename
-            norm = posixpath.normpath(name)
-            if name.startswith("/") or norm == ".." or norm.startswith("../"):
-                raise Transfer("builtins.ValueError", f"zip member {name!r} points outside the target directory")
-            total += info.file_size
-            if total > limit:
-                raise Transfer("builtins.ValueError", f"the zip unpacks to more than {limit} bytes")
-            mode = (info.external_attr >> 16) & 0o7777
-            if info.is_dir():
-                out.append((norm, None, mode or 0o755))
-            else:
-                out.append((norm, zf.read(info), mode or 0o644))
+    out = []
+    for info in zf.infolist():
+        name = info.filename
+        norm = posixpath.normpath(name)
+        if name.startswith("/") or norm == ".." or norm.startswith("../"):
+            raise Transfer("builtins.ValueError", f"zip member {name!r} points outside the target directory")
+        total += info.file_size
+        if total > limit:
+            raise Transfer("builtins.ValueError", f"the zip unpacks to more than {limit} bytes")
+        mode = (info.external_attr >> 16) & 0o7777
+        out.append((info, norm, mode or (0o755 if info.is_dir() else 0o644)))
+    bad = zf.testzip()  # reads each member in 1 MiB pieces, keeps none
+    if bad is not None:
+        raise Transfer("builtins.ValueError", f"unzip=true but zip member {bad!r} is corrupt (bad CRC)")
     return out
+
+
+async def _member_chunks(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> AsyncIterator[bytes]:
+    """A member's bytes, UNZIP_CHUNK at a time, decompressed off the event loop."""
+    f = await asyncio.to_thread(zf.open, info)
+    try:
+        while True:
+            chunk = await asyncio.to_thread(f.read, UNZIP_CHUNK)
+            if not chunk:
+                return
+            yield chunk
+    finally:
+        f.close()
+
+
+async def _file_chunks(src: Any) -> AsyncIterator[bytes]:
+    """An uploaded part's bytes, UNZIP_CHUNK at a time (Starlette spools big parts to a temporary file)."""
+    while True:
+        chunk = await src.read(UNZIP_CHUNK)
+        if not chunk:
+            return
+        yield chunk
+
+
+def _upload_gate(st: ServerState, who: Principal) -> asyncio.Semaphore:
+    """At most `api_max_uploads` uploads of one token write into sandboxes at once (the rest wait): with one
+    chunk per upload in memory, what a token's uploads hold in the server is bounded too."""
+    gates: dict[str, asyncio.Semaphore] | None = getattr(st, "_swerex_upload_gates", None)
+    if gates is None:
+        gates = st._swerex_upload_gates = {}  # type: ignore[attr-defined]
+    gate = gates.get(who.token_id)
+    if gate is None:
+        from shoal.config import settings
+
+        gate = gates[who.token_id] = asyncio.Semaphore(max(1, settings().api_max_uploads))
+    return gate
 
 
 @router.post("/upload")
 async def upload(sandbox_id: str, request: Request) -> Response:
-    """A multipart upload (`file`, `target_path`, `unzip`): a file, or a zipped directory unpacked at the target."""
+    """A multipart upload (`file`, `target_path`, `unzip`): a file, or a zipped directory unpacked at the target.
+    Streams: the part is spooled to disk by the form parser and written into the sandbox (or unpacked, member
+    by member) a chunk at a time, so the server's memory per upload does not grow with the file."""
     st, who = _caller(request, sandbox_id)
     limit = st.settings.max_upload_bytes
     form = await request.form(max_files=1, max_fields=10, max_part_size=limit)
@@ -536,33 +583,44 @@ async def upload(sandbox_id: str, request: Request) -> Response:
         part = form.get("file")
         target = form.get("target_path")
         unzip = str(form.get("unzip") or "false").lower() == "true"
-        if part is None or not hasattr(part, "read"):
+        if part is None or isinstance(part, str):
             raise Transfer("builtins.ValueError", "multipart field 'file' is missing")
         if not isinstance(target, str) or not target:
             raise Transfer("builtins.ValueError", "multipart field 'target_path' is missing")
-        data = await part.read()
+        async with _upload_gate(st, who), common.slot(st, who):
+            if not unzip:
+                await st.node.write_file_stream(sandbox_id, target, _file_chunks(part))
+            else:
+                await _unzip_into(st, sandbox_id, part.file, target, 4 * limit)
     finally:
         await form.close()
-    async with common.slot(st, who):
-        if not unzip:
-            await st.node.write_file(sandbox_id, target, data)
-        else:
-            for rel, content, mode in _members(data, 4 * limit):
-                path = posixpath.join(target, rel) if rel != "." else target
-                if content is None:
-                    c = await st.node.client(sandbox_id)
-                    await c.mkdir(path if path.startswith("/") else _abs(st, sandbox_id, path), parents=True)
-                else:
-                    await st.node.write_file(sandbox_id, path, content, mode)
-            if not _members_any(data):
-                c = await st.node.client(sandbox_id)
-                await c.mkdir(_abs(st, sandbox_id, target), parents=True)
     return JSONResponse({})
 
 
-def _members_any(data: bytes) -> bool:
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        return bool(zf.infolist())
+async def _unzip_into(st: ServerState, sandbox_id: str, src: Any, target: str, limit: int) -> None:
+    try:
+        zf = await asyncio.to_thread(zipfile.ZipFile, src)
+    except _ZIP_ERRORS as e:
+        raise _bad_zip(e) from None
+    with zf:
+        try:
+            plan = await asyncio.to_thread(_plan, zf, limit)
+        except _ZIP_ERRORS as e:
+            raise _bad_zip(e) from None
+        c = None
+        for info, rel, mode in plan:
+            path = posixpath.join(target, rel) if rel != "." else target
+            if info.is_dir():
+                c = c or await st.node.client(sandbox_id)
+                await c.mkdir(path if path.startswith("/") else _abs(st, sandbox_id, path), parents=True)
+                continue
+            try:
+                await st.node.write_file_stream(sandbox_id, path, _member_chunks(zf, info), mode)
+            except _ZIP_ERRORS as e:
+                raise _bad_zip(e) from None
+        if not plan:
+            c = c or await st.node.client(sandbox_id)
+            await c.mkdir(_abs(st, sandbox_id, target), parents=True)
 
 
 def _abs(st: ServerState, sandbox_id: str, path: str) -> str:
