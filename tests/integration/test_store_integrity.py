@@ -128,7 +128,11 @@ async def test_a_bad_chunk_fails_the_read_with_eio_logs_an_event_and_blocks_new_
         assert again_layer.digest == layer.digest
         v = _verify_cli(store_root)
         assert v.returncode == 0 and json.loads(v.stdout)["unmarked"] == [layer.digest], v.stdout
-        info = await node.create(SandboxSpec(image="bb:flipped", **SPEC))
+        # a node re-reads the store's marks at most every corruption.TTL_S: the lifted mark is seen within it
+        # (verify ran in another process; on a quiet machine all of the above fits in one TTL)
+        info = await async_wait_for(lambda: node.create(SandboxSpec(image="bb:flipped", **SPEC)),
+                                    timeout=10 * corruption.TTL_S, interval=0.1,
+                                    what="a create once the node re-reads the lifted mark")
         r = await wait_for_async(lambda: node.exec(info.id, ["cat", "/data/z"]))
         assert r.exit_code == 0 and r.stdout == z
 

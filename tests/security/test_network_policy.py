@@ -85,11 +85,13 @@ async def test_port_rules_for_non_public_addresses_open_exactly_that_port(client
         ([f"{private}:8080"], {f"{private}:8080": "open", f"{private}:80": "timeout"}),
     ]
     monkeypatch.setenv("SHOAL_EGRESS_ALLOW", "private")
-    for rules, want in cases:
-        sb = await client.create("base", network=rules, memory_mb=128)
-        got = await probe(sb, [(h, int(p)) for h, p in (k.split(":") for k in want)])
-        assert got == want, (rules, got)
-        await sb.close()
+    # settings are resolved once, when a node starts (issue 27): a node started after the change sees it
+    async with shoal.Client() as granted:
+        for rules, want in cases:
+            sb = await granted.create("base", network=rules, memory_mb=128)
+            got = await probe(sb, [(h, int(p)) for h, p in (k.split(":") for k in want)])
+            assert got == want, (rules, got)
+            await sb.close()
 
 
 async def test_a_networked_sandbox_resolves_through_the_node_not_the_host(client: shoal.Client, lab: Lab) -> None:
@@ -127,22 +129,28 @@ async def test_private_and_link_local_are_closed_unless_the_operator_allows(clie
         with pytest.raises(shoal.EgressForbidden, match="network rule"):
             await client.create("base", network=[rule], memory_mb=128)
     # the node's setting opens exactly what it names, for network=True and for rules
+    # settings are resolved once, when a node starts (issue 27): nodes started after each change see it
     monkeypatch.setenv("SHOAL_EGRESS_ALLOW", f"{lab.private}:8080,{lab.link_local}/32:80")
-    sb = await client.create("base", network=True, memory_mb=128)
-    assert await probe(sb, targets) == {f"{lab.private}:8080": "open", f"{lab.private}:80": "timeout",
-                                        f"{lab.link_local}:80": "open", f"{net.ip}:80": "open"}
-    al = await client.create("base", network=[f"{lab.link_local}:80"], memory_mb=128)
-    assert (await probe(al, [(lab.link_local, 80), (net.ip, 80)])) == {f"{lab.link_local}:80": "open",
-                                                                       f"{net.ip}:80": "timeout"}
+    async with shoal.Client() as granted:
+        sb = await granted.create("base", network=True, memory_mb=128)
+        assert await probe(sb, targets) == {f"{lab.private}:8080": "open", f"{lab.private}:80": "timeout",
+                                            f"{lab.link_local}:80": "open", f"{net.ip}:80": "open"}
+        al = await granted.create("base", network=[f"{lab.link_local}:80"], memory_mb=128)
+        assert (await probe(al, [(lab.link_local, 80), (net.ip, 80)])) == {f"{lab.link_local}:80": "open",
+                                                                           f"{net.ip}:80": "timeout"}
     # SHOAL_EGRESS_DENY closes a public address (a store master, a cluster outside private ranges)
     monkeypatch.setenv("SHOAL_EGRESS_DENY", net.ip)
-    client.transport.node.network()._bridge_ready = False  # the node re-reads its settings at setup
-    sb = await client.create("base", network=True, memory_mb=128)
-    assert (await probe(sb, [(net.ip, 80)])) == {f"{net.ip}:80": "timeout"}
+    async with shoal.Client() as denying:
+        network = denying.transport.node.network()
+        try:
+            sb = await denying.create("base", network=True, memory_mb=128)
+            assert (await probe(sb, [(net.ip, 80)])) == {f"{net.ip}:80": "timeout"}
+        finally:
+            network.set_blocked(f"settings-{network.node_id}", [])
     monkeypatch.delenv("SHOAL_EGRESS_DENY")
-    client.transport.node.network()._bridge_ready = False
-    sb = await client.create("base", network=True, memory_mb=128)
-    assert (await probe(sb, [(net.ip, 80)])) == {f"{net.ip}:80": "open"}
+    async with shoal.Client() as plain:
+        sb = await plain.create("base", network=True, memory_mb=128)
+        assert (await probe(sb, [(net.ip, 80)])) == {f"{net.ip}:80": "open"}
 
 
 async def test_the_egress_policy_over_http(api_server: Any, lab: Lab) -> None:
