@@ -33,7 +33,11 @@ _INO_LOOKUP = 0xD0009412  # _IOWR(18, btrfs_ioctl_ino_lookup_args = 4096 B)
 _QUOTA_CTL = 0xC0109428  # _IOWR(40, {u64 cmd; u64 status})
 _QGROUP_CREATE = 0x4010942A  # _IOW(42, {u64 create; u64 qgroupid})
 _QGROUP_LIMIT = 0x8030942B  # _IOR(43, {u64 qgroupid; btrfs_qgroup_limit})
-_QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 3
+# linux/btrfs.h: BTRFS_QUOTA_CTL_ENABLE 1, _DISABLE 2, _RESCAN__NOTUSED 3, _ENABLE_SIMPLE_QUOTA 4. (3 was used here:
+# EINVAL, so every pool fell back to full qgroups, which the kernel marks inconsistent when it deletes a
+# subvolume whose tree is deeper than qgroups/drop_subtree_threshold (3 here; 4 KiB nodes make deep trees)
+# — and an inconsistent pool enforced no limit at all: a disk_mb=32 sandbox wrote 64 MiB in CI.)
+_QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
 _LIMIT_MAX_RFER = 1
 
 
