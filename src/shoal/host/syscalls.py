@@ -36,6 +36,19 @@ def umount(target: str, detach: bool = False) -> None:
         raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
+def umount_or_detach(target: str) -> bool:
+    """Unmount `target`; when it is busy (EBUSY: an fd or a dying process still holds it), detach it instead
+    and let the kernel free it once released. True when it had to detach. Other errors raise OSError."""
+    try:
+        umount(target)
+        return False
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise
+    umount(target, detach=True)
+    return True
+
+
 # statx(2) says whether a path is the root of a mount (STATX_ATTR_MOUNT_ROOT, Linux >= 5.8): one
 # syscall, exact for bind mounts and btrfs subvolumes alike, where scanning /proc/self/mountinfo costs
 # time proportional to every mount on the host (thousands with thousands of sandboxes).

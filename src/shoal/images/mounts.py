@@ -400,13 +400,8 @@ class LayerMounts:
                         self.finish_records([h])
                 mp = self.mountpoint(h)
                 if syscalls.is_mountpoint(str(mp)):
-                    try:
-                        syscalls.umount(str(mp))
-                    except OSError as e:
-                        if e.errno != errno.EBUSY:
-                            raise
-                        # still busy (a process of a dying sandbox): detach, the kernel frees it later
-                        syscalls.umount(str(mp), detach=True)
+                    # still busy (a process of a dying sandbox): detached, the kernel frees it later
+                    syscalls.umount_or_detach(str(mp))
                 self._drop_lease(h)
                 with contextlib.suppress(OSError):
                     mp.rmdir()

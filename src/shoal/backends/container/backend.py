@@ -517,11 +517,9 @@ class ContainerBackend(Backend):
     @staticmethod
     def _umount(mp: str, errors: list[str]) -> None:
         try:
-            syscalls.umount(mp)
+            syscalls.umount_or_detach(mp)
         except OSError as e:
-            if e.errno == errno.EBUSY:
-                syscalls.umount(mp, detach=True)
-            elif e.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted / not there
+            if e.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted / not there
                 errors.append(str(e))
 
     async def pause(self, rec: SandboxRecord) -> None:

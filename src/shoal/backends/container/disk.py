@@ -330,11 +330,6 @@ class UpperPool:
                 return False
             if any(p.is_dir() for p in self.mountpoint.iterdir()):
                 return False
-            try:
-                syscalls.umount(str(self.mountpoint))
-            except OSError as e:
-                if e.errno != errno.EBUSY:
-                    raise
-                # an fd another pool object in this process still holds; the empty pool detaches safely
-                syscalls.umount(str(self.mountpoint), detach=True)
+            # busy: an fd another pool object in this process still holds; the empty pool detaches safely
+            syscalls.umount_or_detach(str(self.mountpoint))
             return True

@@ -297,12 +297,12 @@ def _starttime(pid: int) -> int | None:
     return proc_starttime(pid)
 
 
-def _runs(entries: memoryview, base_page: int) -> list[list[int]]:
-    """[start_page, n_pages] runs of present-or-swapped pagemap entries."""
+def _runs(entries: memoryview, base_page: int, mask: int = _PRESENT | _SWAPPED) -> list[list[int]]:
+    """[start_page, n_pages] runs of pagemap entries with any bit of `mask` (default: present or swapped)."""
     out: list[list[int]] = []
     run_start = -1
     for i, e in enumerate(entries):
-        if e & (_PRESENT | _SWAPPED):
+        if e & mask:
             if run_start < 0:
                 run_start = i
         elif run_start >= 0:
@@ -373,18 +373,7 @@ def _missing(pm_fd: int, first: int, n: int) -> list[list[int]]:
     """
     raw = os.pread(pm_fd, n * 8, first * 8)
     raw = raw[: len(raw) - len(raw) % 8]
-    out: list[list[int]] = []
-    start = -1
-    for i, e in enumerate(memoryview(raw).cast("Q")):
-        if e & _SWAPPED:
-            if start < 0:
-                start = i
-        elif start >= 0:
-            out.append([first + start, i - start])
-            start = -1
-    if start >= 0:
-        out.append([first + start, len(raw) // 8 - start])
-    return out
+    return _runs(memoryview(raw).cast("Q"), first, _SWAPPED)
 
 
 _MADV_WILLNEED = 3

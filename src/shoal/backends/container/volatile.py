@@ -18,7 +18,6 @@ SHOAL_SANDBOX_TMPFS=0 keeps sandbox directories on disk.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 from pathlib import Path
@@ -97,12 +96,7 @@ class VolatileDirs:
                 with os.scandir(self.sandboxes) as it:
                     if any(True for _ in it):
                         return False
-            try:
-                syscalls.umount(str(self.root))
-            except OSError as e:
-                if e.errno != errno.EBUSY:
-                    raise
-                syscalls.umount(str(self.root), detach=True)
+            syscalls.umount_or_detach(str(self.root))
             with contextlib.suppress(OSError):
                 self.root.rmdir()
             return True
