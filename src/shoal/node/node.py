@@ -307,7 +307,6 @@ class Node(DataPlane):
 
         check_spec(spec)
         self.check_egress(spec)
-        self.check_egress(spec)
         self.scheduling.check_job(spec)
         image = await self.resolve_image(spec.image)
         if self.pool.active:
