@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import secrets
+import shutil
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -64,6 +65,18 @@ def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
         while chunk := f.read(bufsize):
             h.update(chunk)
     return h.hexdigest()
+
+
+def install_copy(src: Path, dst: Path, mode: int = 0o755) -> bool:
+    """Make `dst` a copy of `src` (mode `mode`) unless it already has the same bytes; the new copy replaces
+    the old one by rename, so a process running the old file never sees a half-written one. True when copied."""
+    if dst.exists() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
+        return False
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    shutil.copy2(src, tmp)
+    os.chmod(tmp, mode)
+    os.rename(tmp, dst)
+    return True
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -17,8 +17,6 @@ import asyncio
 import builtins
 import contextlib
 import logging
-import os
-import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,7 +28,7 @@ from shoal.config import NodeConfig
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.faults import configure as configure_faults
 from shoal.faults import crash_point
-from shoal.fsutil import sha256_file
+from shoal.fsutil import install_copy
 from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
@@ -206,13 +204,7 @@ class Node(DataPlane):
         # a stable copy under SHOAL_HOME: rebuilding the repo never swaps the binary under live sandboxes
         src = find_agent_binary()
         self.guest_dir.mkdir(parents=True, exist_ok=True)
-        dst = self.guest_dir / "shoal-agent"
-        if dst.exists() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
-            return
-        tmp = self.guest_dir / f".shoal-agent.{os.getpid()}"
-        shutil.copy2(src, tmp)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, dst)
+        install_copy(src, self.guest_dir / "shoal-agent")
 
     # ---- the node's parts ---------------------------------------------------------------------
     @property

@@ -22,12 +22,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from shoal.config import Paths
-from shoal.fsutil import flocked, sha256_file
+from shoal.fsutil import flocked, install_copy
 from shoal.host import syscalls
 
 log = logging.getLogger(__name__)
@@ -109,14 +108,7 @@ class GuestFiles:
     def _install_agent(self) -> None:
         # a stable copy: a rebuilt repo never swaps the binary under live sandboxes (rename is atomic)
         self.agent_dir.mkdir(mode=0o755, exist_ok=True)
-        dst = self.agent_dir / "shoal-agent"
-        src = self.agent_src
-        if dst.exists() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
-            return
-        tmp = self.agent_dir / f".shoal-agent.{os.getpid()}"
-        shutil.copy2(src, tmp)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, dst)
+        install_copy(self.agent_src, self.agent_dir / "shoal-agent")
 
     def config_args(self, memory_mb: int, swap_mb: int | None = None) -> dict[str, Any]:
         """build_config's arguments naming these files: the agent, the masks and the virtual /proc files of
