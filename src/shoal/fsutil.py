@@ -79,6 +79,17 @@ def install_copy(src: Path, dst: Path, mode: int = 0o755) -> bool:
     return True
 
 
+def remove_tree(path: Path) -> None:
+    """Remove a directory, or a symlink and the directory it points to (a sandbox directory kept on the
+    node's tmpfs, shoal.backends.container.volatile); what is already gone is no error."""
+    if os.path.islink(path):
+        shutil.rmtree(os.path.realpath(path), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of bytes."""
     return hashlib.sha256(data).hexdigest()

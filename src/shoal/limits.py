@@ -22,6 +22,11 @@ DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
 #: seconds until a sandbox is closed by the reaper (None: never)
 DEFAULT_TTL_S = 3600.0
 DEFAULT_PROJECT = "default"
+#: CPU classes a sandbox may be in (what each means on the host: shoal.backends.container.cpuclass)
+INTERACTIVE = "interactive"
+BATCH = "batch"
+CPU_CLASSES = (INTERACTIVE, BATCH)
+DEFAULT_CPU_CLASS = INTERACTIVE
 
 # ---- batches: the largest `n` of one create_many / fork / restore, per door (each defined here only)
 #: on a node, and through the cluster gateway (the SDK's embedded and cluster transports)
@@ -109,3 +114,11 @@ def check_output_bytes(max_output_bytes: int, memory_mb: int) -> None:
             f"max_output_bytes={max_output_bytes!r} is out of range: with memory_mb={memory_mb} it may be at "
             f"most {out_max} (an eighth of the memory, at most 256 MiB; 0 = that much). Stream the command "
             "(stream()) to see more output", limit_bytes=out_max)
+
+
+def check_cpu_class(name: str) -> str:
+    """The CPU class name, or InvalidRequest naming the choices."""
+    if name not in CPU_CLASSES:
+        raise InvalidRequest(f"cpu_class={name!r} is not a CPU class: choose {' or '.join(CPU_CLASSES)} "
+                             f"(default {DEFAULT_CPU_CLASS}; see docs/sandboxes.md#cpu-classes)")
+    return name

@@ -27,10 +27,10 @@ from pydantic import (
 )
 
 from shoal import limits as L
-from shoal.backends.container.cpuclass import CPU_CLASSES, DEFAULT_CPU_CLASS, check_cpu_class
 from shoal.backends.registry import backend_names, check_backend_name, check_runtime_name, runtime_names
 from shoal.errors import InvalidRequest
 from shoal.images.reference import NAME_LENGTH_PATTERN, NAME_MAX, NEW_NAME_PATTERN, REFERENCE_MAX, REFERENCE_PATTERN
+from shoal.limits import CPU_CLASSES, DEFAULT_CPU_CLASS, check_cpu_class
 
 # ---- field types (the HTTP schemas use them too)
 #: environment variable names: no '=' and no NUL; values: no NUL

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,22 @@ _DOING = {
 }
 
 
+@dataclass
+class RuntimeStatus:
+    """Whether one runtime a backend runs sandboxes on (an OCI runtime: crun, runc, gVisor) works on this
+    host: the result of probing it, and when it does not, why and how to fix that."""
+
+    name: str
+    binary: str | None
+    works: bool
+    version: str = ""
+    reason: str = ""
+    fix: str = ""
+    #: the runtime itself runs a plain container on this host; works=False with host_ok=True means
+    #: shoal cannot drive a runtime the host runs (a shoal bug, not a host limitation)
+    host_ok: bool = True
+
+
 class Backend(ABC):
     """Where a sandbox lives: creates it, reaches its agent, pauses it, and cleans it up.
 
@@ -114,6 +131,30 @@ class Backend(ABC):
     async def close(self) -> None:
         """Release what this node process holds for the backend (services, pending connections)."""
         return None
+
+    # ---- the host, across sandboxes --------------------------------------------------------------
+    # Host-wide machinery a backend keeps beside its sandboxes (the container's zram swap, upper pool,
+    # CPU-class cgroups, runtime state). The node calls these hooks on every backend registered with
+    # `host=True` (shoal.backends.registry), so it never reaches into a backend's modules itself; a
+    # fake-backend node (unit tests, no root) calls none but `host_runtimes` and `host_teardown`.
+    async def host_start(self) -> None:
+        """At node start, before reconcile: set up what the host needs for this backend's sandboxes."""
+        return None
+
+    async def host_reconcile(self) -> dict[str, int]:
+        """After the node reconciled its sandboxes: remove host state no live sandbox owns (a crashed or
+        killed node's leftovers); returns how many of each kind were removed (merged into the node's
+        reconcile report)."""
+        return {}
+
+    def host_runtimes(self) -> dict[str, RuntimeStatus]:
+        """The runtimes this backend can run sandboxes on, probed on this host (cached per boot)."""
+        return {}
+
+    def host_teardown(self) -> bool:
+        """Undo the host-wide setup in the node's home once its sandboxes are gone (`shoal node teardown`);
+        True when something was unmounted."""
+        return False
 
     # ---- the life of one sandbox -----------------------------------------------------------------
     def make_dir(self, d: Path) -> None:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.backends.base import Backend
-    from shoal.backends.container.runtime import RuntimeStatus
     from shoal.config import NodeConfig, Paths, Settings
     from shoal.egress import Box, EgressPolicy
     from shoal.images.mounts import LayerMounts
@@ -161,10 +160,6 @@ class NodeContext(Protocol):
 
     def network(self) -> Network:
         """The node's network, set up on first use."""
-        ...
-
-    def runtime_statuses(self) -> dict[str, RuntimeStatus]:
-        """Which OCI runtimes work on this host (probed once per boot)."""
         ...
 
     def backend(self, name: str) -> Backend:

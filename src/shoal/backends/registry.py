@@ -32,6 +32,9 @@ class BackendEntry:
     test_only: bool = False
     #: the factory builds the class of the VM monitor `pick_vmm` chooses (one of VMMS), not one class of its own
     on_vmm: bool = False
+    #: keeps host-wide machinery beside its sandboxes: the node builds it at start and calls its host hooks
+    #: (Backend.host_start, host_reconcile, host_runtimes, host_teardown)
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class VmmEntry:
 
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("container", "shoal.backends.container.backend:ContainerBackend",
-                 "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper"),
+                 "OCI containers (crun, runc or gVisor) over EROFS layers and an overlayfs upper", host=True),
     BackendEntry("microvm", "shoal.backends.microvm:make_microvm_backend",
                  "QEMU microvm (Firecracker when usable) booting shoal's guest kernel", on_vmm=True),
     BackendEntry("vm", "shoal.backends.vm:QemuVmBackend", "a full QEMU q35 VM booting the image's own kernel"),
@@ -104,6 +107,11 @@ def _load(target: str) -> Callable[..., Any]:
 def backend_names(*, include_test_only: bool = False) -> list[str]:
     """Registered backend names (the test-only ones only when asked)."""
     return [n for n, e in BACKENDS.items() if include_test_only or not e.test_only]
+
+
+def host_backend_names() -> list[str]:
+    """The backends whose host hooks a node calls (registered with `host=True`)."""
+    return [n for n, e in BACKENDS.items() if e.host]
 
 
 def check_backend_name(name: object) -> str:

@@ -24,7 +24,6 @@ from shoal.records import SandboxRecord, check_sandbox_id, my_identity, new_sand
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
-    from shoal.backends.container.runtime import RuntimeStatus
     from shoal.backends.context import SandboxHost
     from shoal.models import SandboxInfo
     from shoal.node.network import NetworkManager
@@ -35,7 +34,7 @@ class NodeContextImpl:
 
     def __init__(self, *, config: NodeConfig, store: ImageStore, layer_mounts: LayerMounts, guest_dir: Path,
                  admission: Admission, connections: AgentConnections, locks: SandboxLocks,
-                 network: Callable[[], NetworkManager], runtime_statuses: Callable[[], dict[str, RuntimeStatus]],
+                 network: Callable[[], NetworkManager],
                  backend: Callable[[str], Backend], describe: Callable[[SandboxRecord], SandboxInfo],
                  sandboxes: SandboxHost) -> None:
         self.config = config
@@ -51,7 +50,6 @@ class NodeContextImpl:
         self.locks = locks
         self.sandboxes = sandboxes
         self._network = network
-        self._statuses = runtime_statuses
         self._backend = backend
         self._describe = describe
 
@@ -63,10 +61,6 @@ class NodeContextImpl:
     def network(self) -> NetworkManager:
         """The node's network manager (veth + NAT), created on first use."""
         return self._network()
-
-    def runtime_statuses(self) -> dict[str, RuntimeStatus]:
-        """Which OCI runtimes work on this host (probed once per boot)."""
-        return self._statuses()
 
     def backend(self, name: str) -> Backend:
         """Another backend of the same node (e.g. the VM kind a memory snapshot was taken on)."""

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from shoal.agentbin import find_agent_binary
-from shoal.backends.base import Backend, Capability
-from shoal.backends.registry import create_backend
+from shoal.backends.base import Backend, Capability, RuntimeStatus
+from shoal.backends.registry import create_backend, host_backend_names
 from shoal.config import NodeConfig
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
 from shoal.faults import configure as configure_faults
@@ -32,7 +32,7 @@ from shoal.fsutil import install_copy
 from shoal.images import corruption
 from shoal.images.mounts import LayerMounts
 from shoal.images.store import Image, ImageStore
-from shoal.limits import AGENT_CONNECT_TIMEOUT_S, AGENT_READY_TIMEOUT_S, MAX_BATCH
+from shoal.limits import AGENT_CONNECT_TIMEOUT_S, AGENT_READY_TIMEOUT_S, MAX_BATCH, check_cpu_class
 from shoal.models import SandboxInfo, StreamEvent
 from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
@@ -45,8 +45,6 @@ from shoal.records import SandboxRecord, check_sandbox_id, forget_record, list_r
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
-    from shoal.backends.container.runtime import RuntimeStatus
-    from shoal.backends.container.swap import SwapDecision
     from shoal.backends.fncall import FncallManager
     from shoal.node.network import NetworkManager
     from shoal.node.protect import Protection
@@ -68,9 +66,6 @@ class Node(DataPlane):
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()
         configure_faults(self.config.settings.fault)
-        from shoal.backends.container.runtime import use_sealed
-
-        use_sealed(self.config.settings.sealed_runtime)
         self.paths = self.config.paths
         self.store = ImageStore(self.paths.store)
         self._image_shells: dict[str, str] = {}
@@ -107,7 +102,7 @@ class Node(DataPlane):
         self.context = NodeContextImpl(
             config=self.config, store=self.store, layer_mounts=self.layer_mounts, guest_dir=self.guest_dir,
             admission=self.admission, connections=self.connections, locks=self.locks, network=self.network,
-            runtime_statuses=lambda: self.runtime_statuses, backend=self.backend, describe=self.describe,
+            backend=self.backend, describe=self.describe,
             sandboxes=self)
         from shoal.images.probe import StoreHealth
 
@@ -119,11 +114,8 @@ class Node(DataPlane):
         self.layer_mounts.on_corrupt.append(self._image_corrupt)
         self._leases_renewed = 0.0
         self._backends: dict[str, Backend] = {}
-        self._statuses: dict[str, RuntimeStatus] | None = None
         self._network: NetworkManager | None = None
         self._started = False
-        #: what start() did about swap (shoal.backends.container.swap): made a zram device, kept the host's, or nothing
-        self.swap: SwapDecision | None = None
         #: this process's RLIMIT_NOFILE (soft, hard) after start() raised it
         self.nofile: tuple[int, int] | None = None
         #: what the node did to keep itself and the host out of the OOM killer's reach (shoal.node.protect)
@@ -149,12 +141,10 @@ class Node(DataPlane):
             self.protection = await asyncio.to_thread(
                 protect_host, reserve_mb=cfg.host_reserve_mb, node_oom_score_adj=cfg.node_oom_score_adj,
                 node_memory_min_mb=cfg.node_memory_min_mb)
-        if self.config.zram_swap and not self.config.fake_backend and self.swap is None:
-            from shoal.backends.container.swap import start_for_node
-
-            # compressed swap in RAM is what lets pause() return a sandbox's anonymous memory: a host with no
-            # swap gets it from the node (SHOAL_ZRAM_SWAP=auto), not from what earlier runs left behind
-            self.swap = await asyncio.to_thread(start_for_node, self.config.zram_swap)
+        if not self.config.fake_backend:
+            # host-wide setup the backends keep (the container's zram swap), before any sandbox is adopted
+            for b in self._host_backends():
+                await b.host_start()
         if reconcile:
             await self.reconcile()
             with contextlib.suppress(Exception):
@@ -209,12 +199,14 @@ class Node(DataPlane):
     # ---- the node's parts ---------------------------------------------------------------------
     @property
     def runtime_statuses(self) -> dict[str, RuntimeStatus]:
-        """Which OCI runtimes work here (probed once per boot)."""
-        if self._statuses is None:
-            from shoal.backends.container.runtime import probe_runtimes
+        """Which runtimes the node's backends run sandboxes on work here (the container's OCI runtimes;
+        probed once per boot)."""
+        return {name: st for b in self._host_backends() for name, st in b.host_runtimes().items()}
 
-            self._statuses = probe_runtimes(self.paths, self.guest_dir / "shoal-agent")
-        return self._statuses
+    def _host_backends(self) -> builtins.list[Backend]:
+        """The backends that keep host-wide machinery (registered with `host=True`): the node calls their
+        host hooks (shoal.backends.base: host_start, host_reconcile, host_runtimes, host_teardown)."""
+        return [self.backend(name) for name in host_backend_names()]
 
     def network(self) -> NetworkManager:
         """The node's network manager (veth + NAT), created on first use."""
@@ -696,8 +688,6 @@ class Node(DataPlane):
     async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
         """Move a running sandbox to another CPU class (`interactive` or `batch`, see container.cpuclass),
         e.g. around a test suite it runs. Returns what was set."""
-        from shoal.backends.container.cpuclass import check_cpu_class
-
         check_cpu_class(cpu_class)
         rec = self.record(sandbox_id)
         backend = self.backend(rec.backend)
@@ -767,13 +757,9 @@ class Node(DataPlane):
         """Re-adopt live sandboxes left by earlier processes; clean up dead, expired and half-made ones."""
         out = await self.recovery.reconcile()
         if not self.config.fake_backend:
-            from shoal.backends.container import cpuclass
-
-            await asyncio.to_thread(cpuclass.sweep)  # batch cpu cgroups of sandboxes closed while no node ran
-            from shoal.backends.container.runtime_state import sweep_stale
-
-            # crun/runc state of stopped containers whose home was deleted (a killed bench run)
-            out["runtime_states_removed"] = len(await asyncio.to_thread(sweep_stale))
+            # the backends' own host leftovers (orphaned writable layers, CPU-class cgroups, runtime state)
+            for b in self._host_backends():
+                out.update(await b.host_reconcile())
         self.scheduling.recount(list_records(self.paths.sandboxes))
         return out
 

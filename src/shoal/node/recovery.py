@@ -92,10 +92,9 @@ class Recovery:
         return {"adopted": adopted, "cleaned": cleaned}
 
     def _sweep_leftovers(self, live_ids: set[str]) -> None:
-        """Directories without a record (a crash between mkdir and the first save), orphaned writable
-        layers and layer mounts nobody uses."""
-        from shoal.backends.container.disk import UpperPool
-        from shoal.backends.container.volatile import remove_sandbox_dir
+        """Directories without a record (a crash between mkdir and the first save) and layer mounts nobody
+        uses. (A backend's own host leftovers, such as orphaned writable layers, go in its host_reconcile.)"""
+        from shoal.fsutil import remove_tree
         from shoal.host import syscalls
 
         node = self.node
@@ -111,16 +110,7 @@ class Recovery:
                     with contextlib.suppress(OSError):
                         syscalls.umount(mp, detach=True)
                 if not syscalls.mounts_under(entry.path):
-                    remove_sandbox_dir(Path(entry.path))
-        with contextlib.suppress(Exception):
-            # writable layers whose sandbox directory is gone (crash before the first record, reboot)
-            pool = UpperPool(node.paths, node.config.settings)
-            try:
-                pool.sweep_orphans(node.paths.sandboxes)
-                if pool.enforced:
-                    pool.guard.prune()  # promises and clamps of layers that are gone (container.disk_guard)
-            finally:
-                pool.close()  # its handle would keep the pool's filesystem (and loop device) alive
+                    remove_tree(Path(entry.path))
         with contextlib.suppress(Exception):
             node.layer_mounts.reconcile(live_ids)
 

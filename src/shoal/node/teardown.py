@@ -1,6 +1,6 @@
-"""Undo what a node set up in its SHOAL_HOME: sandboxes (on request), layer mounts, the upper pool and the
-tmpfs of sandbox directories; optionally the directory itself. Used by `shoal node teardown`, the
-benchmarks' private homes and the tests'."""
+"""Undo what a node set up in its SHOAL_HOME: sandboxes (on request), layer mounts, the backends' host-wide
+setup (the container's upper pool and tmpfs of sandbox directories); optionally the directory itself. Used
+by `shoal node teardown`, the benchmarks' private homes and the tests'."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class TeardownReport:
 async def teardown_home(paths: Paths, *, close_sandboxes: bool = False) -> TeardownReport:
     """Close the home's sandboxes (only with `close_sandboxes`; otherwise live ones make this raise
     InvalidRequest and touch nothing), unmount every layer mount and the upper pool."""
-    from shoal.backends.container.disk import UpperPool
+    from shoal.backends.registry import host_backend_names
     from shoal.node.node import Node
     from shoal.records import list_records
 
@@ -39,7 +39,9 @@ async def teardown_home(paths: Paths, *, close_sandboxes: bool = False) -> Teard
     finally:
         await node.stop()
     stop_readers(paths)
-    return TeardownReport(closed=closed, pool_unmounted=UpperPool(paths, node.config.settings).teardown())
+    # the backends' host-wide setup (the container's upper pool), once nothing uses it
+    unmounted = [node.backend(name).host_teardown() for name in host_backend_names()]
+    return TeardownReport(closed=closed, pool_unmounted=any(unmounted))
 
 
 def stop_readers(paths: Paths) -> int:

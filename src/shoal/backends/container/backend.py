@@ -19,18 +19,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.backends.base import Backend, Capability
+from shoal.backends.base import Backend, Capability, RuntimeStatus
 from shoal.backends.container import cpuclass, disk_guard, swapwatch
 from shoal.backends.container.disk import UpperPool
 from shoal.backends.container.guestfs import GuestFiles
 from shoal.backends.container.oci import build_config, render_config
 from shoal.backends.container.reclaim import drop_working_set, prefetch_before_thaw, reclaim_paused, sandbox_swap_mb
-from shoal.backends.container.runtime import OciRuntime, RuntimeStatus, pick_runtime
-from shoal.backends.container.volatile import VolatileDirs, remove_sandbox_dir
+from shoal.backends.container.runtime import OciRuntime, pick_runtime, probe_runtimes, use_sealed
+from shoal.backends.container.volatile import VolatileDirs
 from shoal.backends.registry import make_runtime
 from shoal.egress import check_network, grants_for
 from shoal.errors import InvalidRequest, SandboxError
 from shoal.faults import crash_point
+from shoal.fsutil import remove_tree
 from shoal.host import cgroups, syscalls
 from shoal.host.mntns import helper_binary as mntns_helper_binary
 from shoal.host.oom import protect_agent
@@ -45,6 +46,7 @@ FREEZE_TIMEOUT_S = 10.0
 
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
+    from shoal.backends.container.swap import SwapDecision
     from shoal.backends.context import NodeContext
 
 # Overlay options: no redirect/metacopy/index so an upper dir is a plain tree we can pack as a layer;
@@ -149,6 +151,7 @@ class ContainerBackend(Backend):
 
     def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
         super().__init__(ctx, name)
+        use_sealed(ctx.settings.sealed_runtime)
         self.paths = ctx.paths
         self.layer_mounts = ctx.layer_mounts
         self.guest_dir = ctx.guest_dir
@@ -171,16 +174,55 @@ class ContainerBackend(Backend):
         self.swap_watch = swapwatch.SwapWatch() if ctx.settings.swap_demote and swapwatch.supported() else None
         self._cpu_own: dict[str, str] = {}  # the class each watched sandbox returns to
         self._cpu_moves: dict[str, asyncio.Task] = {}  # its last class change, while it runs
+        self._statuses: dict[str, RuntimeStatus] | None = None
+        #: what host_start did about swap (shoal.backends.container.swap): made a zram device, kept the
+        #: host's, or nothing
+        self.swap: SwapDecision | None = None
 
     @property
     def statuses(self) -> dict[str, RuntimeStatus]:
-        """Which OCI runtimes work on this host (the node probes them once per boot)."""
-        return self.ctx.runtime_statuses()
+        """Which OCI runtimes work on this host (probed once per boot; the probe's result is cached)."""
+        if self._statuses is None:
+            self._statuses = probe_runtimes(self.paths, self.ctx.agent_binary)
+        return self._statuses
 
     async def prepare(self) -> dict[str, Any]:
         """Probe the OCI runtimes (cached per boot) and report which work."""
-        statuses = await asyncio.to_thread(self.ctx.runtime_statuses)
+        statuses = await asyncio.to_thread(lambda: self.statuses)
         return {name: st.works for name, st in statuses.items()}
+
+    # ---- the host hooks (shoal.backends.base: the node calls them, never these modules) ---------------
+    async def host_start(self) -> None:
+        """Compressed swap in RAM is what lets pause() return a sandbox's anonymous memory: a host with no
+        swap gets it from the node (SHOAL_ZRAM_SWAP=auto), not from what earlier runs left behind."""
+        if self.ctx.config.zram_swap and self.swap is None:
+            from shoal.backends.container.swap import start_for_node
+
+            self.swap = await asyncio.to_thread(start_for_node, self.ctx.config.zram_swap)
+
+    async def host_reconcile(self) -> dict[str, int]:
+        """Writable layers whose sandbox directory is gone, batch CPU cgroups of sandboxes closed while no
+        node ran, and crun/runc state of stopped containers whose home was deleted (a killed bench run)."""
+        with contextlib.suppress(Exception):
+            pool = UpperPool(self.paths, self.ctx.settings)
+            try:
+                pool.sweep_orphans(self.paths.sandboxes)
+                if pool.enforced:
+                    pool.guard.prune()  # promises and clamps of layers that are gone (container.disk_guard)
+            finally:
+                pool.close()  # its handle would keep the pool's filesystem (and loop device) alive
+        await asyncio.to_thread(cpuclass.sweep)
+        from shoal.backends.container.runtime_state import sweep_stale
+
+        return {"runtime_states_removed": len(await asyncio.to_thread(sweep_stale))}
+
+    def host_runtimes(self) -> dict[str, RuntimeStatus]:
+        """Which OCI runtimes (crun, runc, gVisor) work here."""
+        return self.statuses
+
+    def host_teardown(self) -> bool:
+        """Unmount the upper pool (the writable layers' btrfs); True when it was mounted."""
+        return UpperPool(self.paths, self.ctx.settings).teardown()
 
     def runtime(self, name: str | None) -> OciRuntime:
         """The OciRuntime for a name ('auto'/None picks the best working one)."""
@@ -501,7 +543,7 @@ class ContainerBackend(Backend):
             errors.append(f"{rootfs} is still mounted; leaving {rec.path} in place")
         elif os.path.islink(rec.path):
             # the directory on the tmpfs (a record, a socket, an empty rootfs dir) goes last, with its link
-            remove_sandbox_dir(rec.path)
+            remove_tree(rec.path)
         else:
             # (a directory that was its own tmpfs, as made by an earlier shoal, is unmounted first)
             self._umount(str(rec.path), errors)

@@ -35,21 +35,16 @@ from pathlib import Path
 from shoal.errors import InvalidRequest
 from shoal.host import cgroups
 
-INTERACTIVE = "interactive"
-BATCH = "batch"
+# the class names and their check live in shoal.limits (the spec validates them without a backend)
+from shoal.limits import BATCH as BATCH
+from shoal.limits import CPU_CLASSES as CPU_CLASSES
+from shoal.limits import DEFAULT_CPU_CLASS as DEFAULT_CPU_CLASS
+from shoal.limits import INTERACTIVE as INTERACTIVE
+from shoal.limits import check_cpu_class as check_cpu_class
+
 #: what the benchmark compares with: plain CFS between equal cgroups (not a class users pick)
 NEUTRAL = "neutral"
-CPU_CLASSES = (INTERACTIVE, BATCH)
-DEFAULT_CPU_CLASS = INTERACTIVE
 PERIOD_US = 100_000
-
-
-def check_cpu_class(name: str) -> str:
-    """The class name, or InvalidRequest naming the choices."""
-    if name not in CPU_CLASSES:
-        raise InvalidRequest(f"cpu_class={name!r} is not a CPU class: choose {' or '.join(CPU_CLASSES)} "
-                             f"(default {DEFAULT_CPU_CLASS}; see docs/sandboxes.md#cpu-classes)")
-    return name
 
 
 @dataclass(frozen=True)

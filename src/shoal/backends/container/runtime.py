@@ -18,10 +18,11 @@ import socket
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from shoal.backends.base import RuntimeStatus as RuntimeStatus
 from shoal.config import Paths
 from shoal.errors import BackendUnavailable, SandboxError
 from shoal.host import cgroups
@@ -98,21 +99,6 @@ def sealed_executable(binary: str) -> str:
             os.close(fd)
     _sealed[key] = path
     return path
-
-
-@dataclass
-class RuntimeStatus:
-    """Result of probing one runtime on this host."""
-
-    name: str
-    binary: str | None
-    works: bool
-    version: str = ""
-    reason: str = ""
-    fix: str = ""
-    #: the runtime itself runs a plain container on this host; works=False with host_ok=True means
-    #: shoal cannot drive a runtime the host runs (a shoal bug, not a host limitation)
-    host_ok: bool = True
 
 
 class OciRuntime:

@@ -101,15 +101,3 @@ class VolatileDirs:
                 self.root.rmdir()
             return True
 
-
-def remove_sandbox_dir(path: Path) -> None:
-    """Remove a sandbox directory: the symlink and its directory on the tmpfs, or a plain directory."""
-    import shutil
-
-    if os.path.islink(path):
-        real = os.path.realpath(path)
-        shutil.rmtree(real, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
