@@ -128,6 +128,45 @@ def test_descriptors_pids_watches_and_bridge_ports_are_refused_by_name(monkeypat
     assert cap.check(spec()) is None  # a sandbox without a network takes no port
 
 
+def test_loop_devices_are_counted_from_sysfs_and_loop_control(tmp_path: Path) -> None:
+    block, dev, mod = tmp_path / "block", tmp_path / "dev", tmp_path / "module"
+    for n in ("loop0", "loop1", "loop2", "loop3", "sda", "loop3p1"):
+        (block / n).mkdir(parents=True)
+    (block / "loop0" / "loop").mkdir()  # bound: the driver's loop/ directory (backing_file, …)
+    dev.mkdir()
+    for n in ("loop0", "loop1", "loop3"):
+        (dev / n).touch()
+    (mod / "parameters").mkdir(parents=True)
+    (mod / "parameters" / "max_part").write_text("3\n")
+    # loop2 has no node in this /dev: no mount can use it; no loop-control: nothing can be added
+    assert capacity.loop_devices(dev, block, mod) == capacity.LoopDevices(bound=1, free=2, creatable=0)
+    (dev / "loop-control").touch()  # a plain file is no loop-control
+    assert capacity.loop_devices(dev, block, mod).creatable == 0
+    if not capacity._is_loop_control(Path("/dev/loop-control")):
+        return
+    (dev / "loop-control").unlink()
+    (dev / "loop-control").symlink_to("/dev/loop-control")
+    # max_part=3: partition shift 2, each device takes 4 of the 2**20 minors
+    lo = capacity.loop_devices(dev, block, mod)
+    assert lo.creatable == (1 << 18) - 4 and lo.limit == 1 + 2 + (1 << 18) - 4
+
+
+def test_loop_devices_are_refused_by_name_only_when_a_create_needs_more_than_are_left(tmp_path: Path) -> None:
+    block, dev = tmp_path / "block", tmp_path / "dev"
+    (block / "loop0" / "loop").mkdir(parents=True)
+    (block / "loop1").mkdir()
+    dev.mkdir()
+    (dev / "loop1").touch()
+    cap = HostCapacity(dev=dev, sys_block=block)
+    assert cap.check(spec()) is None and cap.check(spec(), loops=1) is None
+    err = cap.check(spec(), loops=2)
+    assert isinstance(err, CapacityExceeded) and err.details["resource"] == "loop devices"
+    assert err.details["used"] == 1 and err.details["limit"] == 2 and "loop-control" in err.message
+    (dev / "loop1").unlink()
+    assert cap.check(spec()) is None  # a create that mounts nothing new takes no loop device
+    assert cap.check(spec(), loops=1) is not None
+
+
 def test_creates_in_flight_count_against_the_limits() -> None:
     cap = HostCapacity()
     fds = capacity.open_descriptors()
@@ -492,3 +531,29 @@ async def test_connections_are_given_back_early_when_descriptors_run_short(node:
     assert (await node.exec(boxes[0].id, "true")).exit_code == 0
     assert len(node.connections) == 1  # the two idle ones were closed to make room
     node.capacity.refresh()
+
+
+def test_only_layers_not_mounted_yet_take_loop_devices_and_only_when_mounts_go_through_loops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.config import Paths
+    from shoal.host import syscalls
+    from shoal.images import mounts
+    from shoal.images.store import Layer
+
+    lm = mounts.LayerMounts(Paths(home=tmp_path / "home", store=tmp_path / "store"), mode="loop")
+    layers = [Layer(digest=f"sha256:{c * 64}", path=tmp_path / c, size=1) for c in "abc"]
+    mounted = {str(lm.mountpoint("a" * 64))}
+    monkeypatch.setattr(syscalls, "is_mountpoint", lambda p: p in mounted)
+    assert lm.loop_devices_needed(layers + layers[1:2]) == 2  # b and c (once each); a is mounted
+    lm.mode = "file"
+    assert lm.loop_devices_needed(layers) == 0
+    lm.mode = "auto"  # what the first mount found decides; before it, the kernel's version
+    monkeypatch.setattr(mounts, "_file_backed_ok", False)
+    assert lm.loop_devices_needed(layers) == 2
+    monkeypatch.setattr(mounts, "_file_backed_ok", True)
+    assert lm.loop_devices_needed(layers) == 0
+    monkeypatch.setattr(mounts, "_file_backed_ok", None)
+    monkeypatch.setattr(mounts, "_kernel", lambda: (6, 1))
+    assert lm.loop_devices_needed(layers) == 2
+    monkeypatch.setattr(mounts, "_kernel", lambda: (6, 12))
+    assert lm.loop_devices_needed(layers) == 0

@@ -101,6 +101,9 @@ class Backend(ABC):
     #: the node may close an idle agent connection and open a new one on the next request (the agent
     #: accepts connections cheaply: a Unix socket); a VM's virtio-serial line stays open
     idle_close: bool = False
+    #: a create mounts the image's layers on the host (LayerMounts.acquire): admission counts the loop
+    #: devices those mounts take (shoal.node.capacity); VMs read the layer files instead
+    mounts_layers: bool = False
 
     def __init__(self, ctx: NodeContext, name: str | None = None) -> None:
         self.ctx = ctx

@@ -38,6 +38,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -72,6 +73,27 @@ MOUNT_MODES = ("auto", "file", "loop")
 def erofs_mode() -> str:
     """How the last layer was mounted: 'file-backed+directio', 'file-backed', 'loop' (or 'unknown')."""
     return _last_mode
+
+
+#: the first kernel with file-backed EROFS mounts (no loop device needed)
+FILE_BACKED_KERNEL = (6, 12)
+
+
+def _kernel() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def mounts_through_loop(mode: str) -> bool:
+    """True when a new layer mount on this host takes a loop device: mode 'loop', or 'auto' where a
+    file-backed mount failed (or, before the first mount tells, on a kernel older than 6.12)."""
+    if mode == "loop":
+        return True
+    if mode == "file":
+        return False
+    if _file_backed_ok is None:
+        return _kernel() < FILE_BACKED_KERNEL
+    return not _file_backed_ok
 
 
 class LayerMounts:
@@ -114,6 +136,13 @@ class LayerMounts:
     def mountpoint(self, layer_hex: str) -> Path:
         """Where a layer is (or would be) mounted."""
         return self.root / layer_hex
+
+    def loop_devices_needed(self, layers: list[Layer]) -> int:
+        """Loop devices mounting `layers` takes now: one per layer not mounted on this host yet, when new
+        mounts go through a loop device (`mounts_through_loop`); 0 otherwise (admission, shoal.node.capacity)."""
+        if not mounts_through_loop(self.mode):
+            return 0
+        return sum(1 for lay in {lay.hex for lay in layers} if not syscalls.is_mountpoint(str(self.mountpoint(lay))))
 
     def _locked(self, layer_hex: str) -> contextlib.AbstractContextManager[int]:
         return flocked(self.locks / f"layer-{layer_hex}.lock")

@@ -12,8 +12,13 @@ fail half-way with a raw `OSError`, crash its client, or leave a half-made sandb
 * **inotify watches** — on cgroup v2 the swap watch takes one per sandbox (`fs.inotify.max_user_watches`).
 * **veths** — a sandbox with a network has a port on the node's bridge, and a Linux bridge takes at most
   1,024 ports (`BR_MAX_PORTS`).
-* **loop devices** — a layer mounted through a loop device (kernels before 6.12, stores on FUSE) needs a
-  free one; running out shows at the mount and is reported the same way (`from_oserror`).
+* **loop devices** — a layer mounted through a loop device (`SHOAL_EROFS_MOUNT=loop`, or kernels before
+  6.12 without file-backed EROFS mounts) takes one per layer not yet mounted on the host (layers are shared,
+  shoal.images.mounts). Available: the existing devices bound to no file (`/sys/block/loopN` without a
+  `loop/` directory, with a node in /dev) plus, when /dev/loop-control is there, the devices the kernel adds
+  on demand — up to its minor numbers (2**20 >> the module's partition shift). The module's `max_loop` only
+  bounds devices made by opening a dead /dev node, not those made through loop-control, so it is no limit
+  here. A mount that still finds none (another process took the last) is reported the same way (`from_oserror`).
 
 Each check keeps a reserve (for the host and the node's own work) and refuses with `CapacityExceeded`
 whose `details["reason"]` is "resource" and `details["resource"]` names what ran out, with the limit
@@ -27,6 +32,7 @@ import contextlib
 import errno
 import os
 import resource
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +54,10 @@ TASKS_PER_CREATE = 6
 BRIDGE_PORTS = 1024
 #: how long a count of the node's open descriptors is reused (s): counting is a directory listing
 FD_SAMPLE_S = 0.5
+#: minor-number bits of a block device: the loop driver gives each device 2**part_shift of them
+MINOR_BITS = 20
+#: /dev/loop-control's device number (misc major 10, LOOP_CTRL_MINOR)
+LOOP_CONTROL = (10, 237)
 
 
 def _read_int(path: str, default: int = 0) -> int:
@@ -99,6 +109,57 @@ def bridge_ports(bridge: str) -> int:
 
 
 @dataclass(frozen=True)
+class LoopDevices:
+    """The host's loop devices at one instant: `bound` to a file, `free` (bound to none, with a /dev node)
+    and how many more the kernel adds on demand (`creatable`: 0 without /dev/loop-control)."""
+
+    bound: int
+    free: int
+    creatable: int
+
+    @property
+    def available(self) -> int:
+        """Loop devices a mount can still get."""
+        return self.free + self.creatable
+
+    @property
+    def limit(self) -> int:
+        """Loop devices this host can have bound at once."""
+        return self.bound + self.available
+
+
+def _loop_part_shift(sys_module: Path) -> int:
+    """The loop module's partition shift: fls(max_part) when max_part > 0 (drivers/block/loop.c)."""
+    return max(0, _read_int(str(sys_module / "parameters/max_part"), 0)).bit_length()
+
+
+def _is_loop_control(node: Path) -> bool:
+    with contextlib.suppress(OSError):
+        st = node.stat()
+        return stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == LOOP_CONTROL
+    return False
+
+
+def loop_devices(dev: Path = Path("/dev"), sys_block: Path = Path("/sys/block"),
+                 sys_module: Path = Path("/sys/module/loop")) -> LoopDevices:
+    """Count the host's loop devices (see the module docstring); all zero where the loop driver is absent."""
+    try:
+        names = [n for n in os.listdir(sys_block) if n.startswith("loop") and n[4:].isdigit()]
+    except OSError:
+        names = []
+    bound = free = 0
+    for n in names:
+        if (sys_block / n / "loop").is_dir():  # the driver adds loop/ (backing_file, …) while bound
+            bound += 1
+        elif (dev / n).exists():
+            free += 1
+    creatable = 0
+    if _is_loop_control(dev / "loop-control"):
+        creatable = max(0, (1 << (MINOR_BITS - _loop_part_shift(sys_module))) - len(names))
+    return LoopDevices(bound=bound, free=free, creatable=creatable)
+
+
+@dataclass(frozen=True)
 class Limits:
     """The host's limits a create is checked against (read once per node; `refresh()` rereads them)."""
 
@@ -128,8 +189,12 @@ class HostCapacity:
     """The checks of one node (see the module docstring). `watches` counts the swap watch's inotify
     watches (cgroup v2), `bridge` names the bridge sandboxes with a network join."""
 
-    def __init__(self, *, bridge: str = "shoal0", inotify_in_use: Any = None) -> None:
+    def __init__(self, *, bridge: str = "shoal0", inotify_in_use: Any = None, dev: Path = Path("/dev"),
+                 sys_block: Path = Path("/sys/block")) -> None:
         self.bridge = bridge
+        #: where loop devices are counted (`loop_devices`): the host's /dev and /sys/block
+        self.dev = dev
+        self.sys_block = sys_block
         self.limits = Limits.read()
         self._inotify_in_use = inotify_in_use  # callable -> watches this node holds (None: no watches)
         self._fds = 0
@@ -155,8 +220,9 @@ class HostCapacity:
         lim = self.limits.nofile
         return self.descriptors() > 0.8 * (lim - reserve(lim, 64))
 
-    def check(self, spec: SandboxSpec | Any, n: int = 1) -> CapacityExceeded | None:
-        """The refusal `n` more creates of `spec` get now for a resource other than memory, or None."""
+    def check(self, spec: SandboxSpec | Any, n: int = 1, *, loops: int = 0) -> CapacityExceeded | None:
+        """The refusal `n` more creates of `spec` get now for a resource other than memory, or None.
+        `loops`: the loop devices those creates take (their layers not mounted yet, when mounts take one)."""
         lim = self.limits
         k = n + self.in_flight
         fds = self.descriptors()
@@ -191,6 +257,16 @@ class HostCapacity:
                 return _refuse("veths", ports, BRIDGE_PORTS - 1, 0,
                                f"ports on the bridge {self.bridge} (a Linux bridge takes at most {BRIDGE_PORTS}); "
                                "close networked sandboxes or create on another node")
+        if loops > 0:
+            lo = loop_devices(self.dev, self.sys_block)
+            lkeep = reserve(lo.limit, 1) if lo.creatable else 0  # a fixed set of devices is the node's to use
+            if loops > lo.available - lkeep:
+                more = "" if lo.creatable else " (no /dev/loop-control to add more)"
+                return _refuse("loop devices", lo.bound, lo.limit, lkeep,
+                               f"this create mounts {loops} image layer(s) through loop devices and "
+                               f"{lo.available} are free{more}; detach unused ones (`losetup -D`), give the node "
+                               "/dev/loop-control, or use file-backed EROFS mounts (Linux >= 6.12, "
+                               "SHOAL_EROFS_MOUNT=auto)")
         return None
 
 

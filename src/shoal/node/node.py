@@ -354,7 +354,8 @@ class Node(DataPlane):
             backend.require(Capability.NETWORK)
         if isinstance(spec.network, list) or spec.egress_mbps:
             backend.require(Capability.EGRESS_RULES)
-        refused = self.capacity.check(spec)
+        loops = self.layer_mounts.loop_devices_needed(image.layers) if backend.mounts_layers else 0
+        refused = self.capacity.check(spec, loops=loops)
         if refused is not None:
             raise refused
         res = reservation if reservation is not None else await self.scheduling.admit(spec)

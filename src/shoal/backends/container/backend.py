@@ -135,6 +135,7 @@ class ContainerBackend(Backend):
 
     name = "container"
     idle_close = True
+    mounts_layers = True
     capabilities = frozenset({Capability.SANDBOXES, Capability.PAUSE, Capability.RECLAIM,
                               Capability.SNAPSHOT_FILES, Capability.NETWORK, Capability.EGRESS_RULES,
                               Capability.CPU_CLASS})
