@@ -7,7 +7,10 @@ gateway's: tokens live in its SHOAL_HOME, quotas count every sandbox of the clus
 of all nodes refreshed in the background. Nothing lives only in the gateway's memory: a restarted
 gateway rebuilds the snapshot (and its cache of who owns which sandbox) from the nodes before serving.
 
-The gateway reads images from the shared store (`SHOAL_STORE`): run it where the store is mounted.
+The gateway reads images from the shared store (`SHOAL_STORE`): run it where the store is mounted. Image
+operations that need only the store (list, look up, remove, import, export, push) run here on it
+(`shoal.images.frontops.StoreImages`); a registry pull and a recipe or `base` build go to one node agent
+(they write into the same shared store); a Dockerfile build (its context is on the gateway) is not relayed.
 """
 
 from __future__ import annotations
@@ -20,14 +23,22 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from shoal.cluster.transport import ClusterTransport
 from shoal.config import Paths
 from shoal.errors import SandboxNotFound, ShoalError, Unsupported
-from shoal.images.store import ImageStore
+from shoal.images.frontops import StoreImages
+from shoal.images.store import Image, ImageStore
 from shoal.models import DirEntry, ExecResult, SandboxInfo, SandboxSpec
 from shoal.records import check_sandbox_id, node_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from shoal.backends.fncall import FncallManager
+    from shoal.images.dockerbuild import BuildOptions, BuildResult
+    from shoal.images.recipe import Recipe
 
 log = logging.getLogger(__name__)
 #: seconds between usage snapshots of every node (cluster-wide quotas)
@@ -62,7 +73,7 @@ class _ShellStreams:
         return await self.t.shell_stream(self.sid, shell_id, cmd, timeout=timeout, max_output=max_output)
 
 
-class ClusterFront:
+class ClusterFront(StoreImages):
     """The node side of the API app, for a whole cluster (see the module doc). Implements the front protocol
     (shoal.front.Front); what only an embedded node can do raises Unsupported, saying so."""
 
@@ -208,9 +219,11 @@ class ClusterFront:
             else:
                 f.set_exception(it)
 
-    async def create_many(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | ShoalError]:
-        """A burst split over the nodes."""
-        items = await self.transport.create_many(spec, n)
+    async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None, *,
+                          all_or_nothing: bool = False) -> list[SandboxInfo | ShoalError]:
+        """A burst split over the nodes (`all_or_nothing`: a gang, placed whole or not at all). `concurrency`
+        bounds an embedded node's own parallelism: here each node bounds its share itself."""
+        items = await self.transport.create_many(spec, n, all_or_nothing=all_or_nothing)
         for it in items:
             if isinstance(it, SandboxInfo):
                 self._remember_info(it)
@@ -286,8 +299,12 @@ class ClusterFront:
         """Resume the sandbox."""
         await self.transport.resume(sandbox_id)
 
-    async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
-        """Snapshot the sandbox into the shared store."""
+    async def snapshot(self, sandbox_id: str, name: str, *, store_budget: int | None = None) -> dict[str, Any]:
+        """Snapshot the sandbox into the shared store. A project's store budget (max_store_mb) is not relayed
+        to the node yet: with one, Unsupported."""
+        if store_budget is not None:
+            raise Unsupported(f"a snapshot of {sandbox_id!r} under a project store quota (max_store_mb) needs the "
+                              "budget on the sandbox's node: a cluster gateway does not relay it yet")
         return await self.transport.snapshot(sandbox_id, name)
 
     async def fork(self, sandbox_id: str, n: int, **kw: Any) -> list[SandboxInfo | ShoalError]:
@@ -323,9 +340,87 @@ class ClusterFront:
 
         await asyncio.to_thread(check_available, self.store, ref)
 
+    async def watch(self, sandbox_id: str, path: str, *, recursive: bool = False) -> Any:
+        """Not through a cluster gateway yet."""
+        raise Unsupported(f"watching files streams inotify events from the sandbox's node: a cluster gateway "
+                          f"does not relay them (sandbox {sandbox_id!r}); use that node's server")
+
+    async def open_port(self, sandbox_id: str, port: int, *, timeout: float | None = 10.0) -> Any:
+        """Not through a cluster gateway yet."""
+        raise Unsupported(f"port {port} of sandbox {sandbox_id!r} is reached through its node's own server: a "
+                          "cluster gateway does not relay port streams")
+
+    async def shell_of(self, rec: Any) -> str:
+        """Not through a cluster gateway yet."""
+        raise Unsupported("which shell a sandbox has is probed on its node: a cluster gateway does not relay "
+                          "the probe; use that node's server")
+
+    async def set_ttl(self, sandbox_id: str, seconds: float, *, only_extend: bool = False) -> None:
+        """Not through a cluster gateway yet."""
+        raise Unsupported(f"a sandbox's time to live is kept in its record on its node: a cluster gateway does "
+                          f"not change it (sandbox {sandbox_id!r}); use that node's server")
+
+    def fncall(self) -> FncallManager:
+        """Not here: a gateway has no fncall pools of its own (run_code goes to a node)."""
+        raise Unsupported("a cluster gateway has no fncall service of its own: use run_code / run_code_many "
+                          "(sent to a node) or a node's own server")
+
+    # ---- images: the shared store here (StoreImages), builds and pulls on a node ------------------
+    async def pull(self, ref: str) -> dict[str, Any]:
+        """Pull on one node agent, into the shared store every node reads."""
+        return await self.transport.pull(ref)
+
+    async def build_base(self, ref: str = "base:latest") -> Image:
+        """Build `base` on one node agent, into the shared store."""
+        await self.transport.build({"name": ref})
+        return await self.image(ref)
+
+    async def build_recipe(self, recipe: Recipe, *, no_cache: bool = False) -> Image:
+        """Build a recipe on one node agent (its sandboxes run there), into the shared store. The recipe's
+        names are store names already (the node agent is called as the cluster's internal admin)."""
+        await self.transport.build({"name": recipe.ref, "recipe": recipe_json(recipe, no_cache=no_cache)})
+        return await self.image(recipe.ref)
+
+    async def build_dockerfile(self, opts: BuildOptions, *, log: Callable[[str], None] | None = None,
+                               resolve_base: Callable[[str], Any] | None = None) -> BuildResult:
+        """Not through a cluster gateway yet."""
+        raise Unsupported(f"a Dockerfile build of {opts.tag!r} needs its context and the project's FROM names on "
+                          "the building node: a cluster gateway does not relay it; build on a node's own server "
+                          "(or push the image to a registry and pull it)")
+
+    def local_node(self) -> None:
+        """None: a gateway embeds no node (its dashboard asks the node agents)."""
+        return None
+
+    def cluster_transport(self) -> ClusterTransport:
+        """The transport to the node agents (the gateway's dashboard asks their own APIs through it)."""
+        return self.transport
+
     def node_of(self, sandbox_id: str) -> str:
         """The node that holds a sandbox (from its ID)."""
         return node_of(sandbox_id)
+
+
+def recipe_json(recipe: Recipe, *, no_cache: bool = False) -> dict[str, Any]:
+    """A recipe as the API's build request carries it (shoal.server.schemas.RecipeIn)."""
+    from shoal.images import recipe as rmod
+
+    steps: list[dict[str, Any]] = []
+    for stp in recipe.steps:
+        if isinstance(stp, rmod.Run):
+            steps.append({"run": stp.cmd, "network": stp.network, "timeout": stp.timeout})
+        elif isinstance(stp, rmod.Env):
+            steps.append({"env": dict(stp.vars)})
+        elif isinstance(stp, rmod.Workdir):
+            steps.append({"workdir": stp.path})
+        elif isinstance(stp, rmod.User):
+            steps.append({"user": stp.name})
+        else:
+            raise Unsupported(f"a {type(stp).__name__} step copies files from this host: a cluster gateway "
+                              "cannot send it to a node")
+    return {"from": recipe.base, "steps": steps, "network": recipe.network, "env": dict(recipe.env),
+            "workdir": recipe.workdir, "user": recipe.user, "cpus": recipe.cpus, "memory_mb": recipe.memory_mb,
+            "disk_mb": recipe.disk_mb, "no_cache": no_cache}
 
 
 def make_gateway_app(url: str, settings: Any = None, *, home: str | None = None, store: str | None = None) -> Any:
@@ -337,6 +432,6 @@ def make_gateway_app(url: str, settings: Any = None, *, home: str | None = None,
     front = ClusterFront(url, home=home, store=store)
     quotas = QuotaTracker(front.paths.sandboxes, source=front.usage_snapshot, refresh_s=front.usage_every_s,
                           min_forced_refresh_s=0.0)
-    return create_app(front, settings, tokens=TokenStore(front.paths.home), quotas=quotas)  # type: ignore[arg-type]
+    return create_app(front, settings, tokens=TokenStore(front.paths.home), quotas=quotas)
 
 

@@ -577,6 +577,16 @@ class ClusterTransport(Transport):
         nid = await self._any_node()  # into the shared store: every node sees it
         return await self._on_node(nid, "pull", lambda h: h.pull(reference))
 
+    async def build(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An image build request (POST /v1/images/build) on one node, into the shared store."""
+        nid = await self._any_node()
+
+        async def go(h: Any) -> dict[str, Any]:
+            r = await h._request("POST", "/v1/images/build", json_body=body, read_timeout=None)
+            return dict(r.json())
+
+        return dict(await self._on_node(nid, "build", go))
+
     async def run_code(self, code: str, **kw: Any) -> Any:
         nid = await self._any_node()
         return await self._on_node(nid, "run_code", lambda h: h.run_code(code, **kw))

@@ -38,6 +38,7 @@ from shoal.node.admission import Admission, Reservation
 from shoal.node.connections import AgentConnections
 from shoal.node.context import NodeContextImpl
 from shoal.node.dataplane import DataPlane
+from shoal.node.frontops import NodeFrontOps
 from shoal.node.pool import WarmPool
 from shoal.node.recovery import Recovery
 from shoal.node.statelock import SandboxLocks
@@ -56,12 +57,19 @@ log = logging.getLogger(__name__)
 CLOSE_CONCURRENCY = 64
 
 
-class Node(DataPlane):
+class Node(DataPlane, NodeFrontOps):
     """One host's sandboxes. Use `async with Node() as node:` or call start()/stop(). Implements the front
     protocol (shoal.front.Front) the server, compat APIs and transports use."""
 
     #: shoal.front.Front.kind: records and admission are here
     kind: Literal["node", "cluster"] = "node"
+
+    def local_node(self) -> Node:
+        """This node (shoal.front.Front.local_node: observability reads it)."""
+        return self
+
+    def cluster_transport(self) -> None:
+        """None: an embedded node has no cluster behind it (shoal.front.Front.cluster_transport)."""
 
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig()

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.config import NodeConfig, Paths
 from shoal.errors import ShoalError
+from shoal.front import Front
 from shoal.models import DirEntry, ExecResult, SandboxInfo
-from shoal.node.node import Node
 from shoal.sdk.transport import Cmd, StreamHandle, Transport
 
 if TYPE_CHECKING:
@@ -17,16 +17,19 @@ if TYPE_CHECKING:
 
 
 class LocalTransport(Transport):
-    """Runs a `Node` inside this process (no server to start)."""
+    """Runs a node front inside this process (no server to start): a `Node` made from `config` (or
+    `home`/`store`), or the front given (shoal.front.Front)."""
 
-    def __init__(self, node: Node | None = None, *, home: str | None = None, store: str | None = None,
+    def __init__(self, node: Front | None = None, *, home: str | None = None, store: str | None = None,
                  config: NodeConfig | None = None, reap: bool = True) -> None:
         if node is None:
+            from shoal.node.node import Node
+
             cfg = config or NodeConfig()
             if home or store:
                 cfg.paths = Paths.from_env(home, store)
             node = Node(cfg)
-        self.node = node
+        self.node: Front = node
         self._reap = reap
 
     async def start(self) -> None:
@@ -89,39 +92,31 @@ class LocalTransport(Transport):
         return await self.node.fork(sandbox_id, n, **kw)
 
     async def images(self) -> builtins.list[dict[str, Any]]:
-        return [img.to_dict() for img in self.node.store.list_images()]
+        return [img.to_dict() for img in await self.node.images()]
 
     async def image(self, ref: str) -> dict[str, Any]:
-        img = await self.node.resolve_image(ref)
+        img = await self.node.resolve_image(ref)  # pulled per pull_policy when missing
+        if img is None:  # a front that only checked its nodes can get it
+            img = await self.node.image(ref)
         return img.to_dict()
 
     async def build_image(self, tag: str, context: str, **opts: Any) -> dict[str, Any]:
         from pathlib import Path
 
-        from shoal.images.dockerbuild import build_dockerfile, build_options
+        from shoal.images.dockerbuild import build_options
 
         log = opts.pop("log", None)
-        res = await build_dockerfile(self.node, build_options(tag, Path(context), **opts), log=log)
+        res = await self.node.build_dockerfile(build_options(tag, Path(context), **opts), log=log)
         return res.to_dict()
 
     async def pull(self, reference: str) -> dict[str, Any]:
         return await self.node.pull(reference)
 
     async def export_image(self, image: str, path: str, tags: builtins.list[str] | None = None) -> None:
-        import asyncio
-
-        from shoal.images.export import export_image
-
-        await asyncio.to_thread(export_image, self.node.store, image, path, repo_tags=tags,
-                                work_dir=self.node.paths.home / "tmp")
+        await self.node.export_image(image, path, repo_tags=tags)
 
     async def push(self, image: str, target: str) -> dict[str, Any]:
-        import asyncio
-
-        from shoal.images.export import push_image
-
-        rep = await asyncio.to_thread(push_image, self.node.store, image, target,
-                                      work_dir=self.node.paths.home / "tmp")
+        rep = await self.node.push_image(image, target)
         return rep.to_dict()
 
     async def events(self, sandbox_id: str | None = None, *, commands: bool = False,

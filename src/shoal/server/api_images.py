@@ -1,7 +1,8 @@
 """REST routes for images (list, get, remove, build, import, pull) and for fncall's run_code.
 
 Images a project makes are stored as `projects/<project>/<name>` and shown to it without the prefix
-(see `deps.Namespace`). Build and import call into `shoal.images`; what this build lacks answers 501.
+(see `deps.Namespace`). Every image operation goes through the node front (`shoal.front.Front`: the
+embedded node, or a cluster gateway); what a front or this build lacks answers 501.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi import Path as PathParam
@@ -19,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from shoal.errors import Forbidden, ImageNotFound, InvalidRequest
 from shoal.fsutil import tmp_name
+from shoal.models import RunCodeResult
 from shoal.server.codec import b64decode_field, encode_run_code_result
-from shoal.server.deps import Namespace, authorized, require_admin, state_of
+from shoal.server.deps import Namespace, ServerState, authorized, require_admin, state_of
 from shoal.server.responses import errors
 from shoal.server.schemas import (
     NEW_IMAGE_RE,
@@ -35,6 +37,9 @@ from shoal.server.schemas import (
 )
 from shoal.server.store_quota import store_budget
 from shoal.server.tokens import Principal
+
+if TYPE_CHECKING:
+    from shoal.images.oci import ImportReport
 
 router = APIRouter(prefix="/v1", tags=["images"])
 Who = Annotated[Principal, Depends(authorized)]
@@ -64,7 +69,7 @@ class PullImportIn(BaseModel):
 PullIn = PullRefIn | PullImportIn
 
 
-def _lookup(st: Any, ns: Namespace, ref: str) -> str:
+def _lookup(st: ServerState, ns: Namespace, ref: str) -> str:
     """The store name of an existing image the caller names; a malformed name cannot exist (404)."""
     try:
         return ns.for_read(st, ref)
@@ -72,11 +77,9 @@ def _lookup(st: Any, ns: Namespace, ref: str) -> str:
         raise ImageNotFound(f"image {ref!r} not found ({e.message})") from None
 
 
-def _report(ns: Namespace, rep: Any) -> dict[str, Any]:
-    out = {k: getattr(rep, k) for k in ("format", "layers_unpacked", "layers_cached", "seconds", "notes")
-           if hasattr(rep, k)}
-    out["image"] = ns.show_image(rep.image.to_dict())
-    return out
+def _report(ns: Namespace, rep: ImportReport) -> dict[str, Any]:
+    return {"format": rep.format, "layers_unpacked": rep.layers_unpacked, "layers_cached": rep.layers_cached,
+            "seconds": rep.seconds, "notes": rep.notes, "image": ns.show_image(rep.image.to_dict())}
 
 
 @router.get("/images", response_model=ImageList, responses=errors(), summary="List images")
@@ -84,7 +87,7 @@ async def list_images(request: Request, who: Who) -> dict[str, Any]:
     """Shared images plus the caller's project's own."""
     st = state_of(request)
     ns = Namespace(who)
-    imgs = await asyncio.to_thread(st.node.store.list_images)
+    imgs = await st.node.images()
     return {"images": [ns.show_image(i.to_dict()) for i in imgs if ns.visible(i.name)]}
 
 
@@ -93,7 +96,7 @@ async def get_image(ref: RefPath, request: Request, who: Who) -> dict[str, Any]:
     """One image: its layers (bottom first), config and lineage."""
     st = state_of(request)
     ns = Namespace(who)
-    img = st.node.store.resolve(_lookup(st, ns, ref))
+    img = await st.node.image(_lookup(st, ns, ref))
     return ns.show_image(img.to_dict())
 
 
@@ -104,10 +107,10 @@ async def remove_image(ref: RefPath, request: Request, who: Who) -> Response:
     ns = Namespace(who)
     name = _lookup(st, ns, ref)
     if not ns.owns(name):
-        if not st.node.store.exists(name):
+        if not await st.node.image_exists(name):
             raise ImageNotFound(f"image {ref} not found")
         raise Forbidden(f"image {ref} is shared: only an operator (admin token) removes it")
-    st.node.store.remove_image(name)
+    await st.node.remove_image(name)
     return Response(status_code=204)
 
 
@@ -125,10 +128,8 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
             raise ImageNotFound(f"no built-in recipe for {body.name!r}: only `base` builds without one; "
                                 "send `recipe` for anything else")
         require_admin(who, "building the base image")
-        from shoal.images.base import build_base
-
         ref = body.name if ":" in body.name else "base:latest"
-        img = await asyncio.to_thread(build_base, st.node.store, ref)
+        img = await st.node.build_base(ref)
         return ns.show_image(img.to_dict())
     from shoal.images import recipe as rmod
     rin = body.recipe
@@ -149,7 +150,7 @@ async def build_image(body: BuildIn, request: Request, who: Who) -> dict[str, An
     res = st.quotas.reserve(who, 1, rin.cpus, rin.memory_mb)
     try:
         async with store_budget(st.node.store, who, f"building {body.name}"):
-            img = await rmod.build_recipe(st.node, recipe, no_cache=rin.no_cache)
+            img = await st.node.build_recipe(recipe, no_cache=rin.no_cache)
     finally:
         res.release()
     return ns.show_image(img.to_dict())
@@ -178,7 +179,7 @@ async def build_dockerfile_image(
     import shutil
     import tempfile
 
-    from shoal.images.dockerbuild import BuildOptions, build_dockerfile, extract_context
+    from shoal.images.dockerbuild import BuildOptions, extract_context
 
     st = state_of(request)
     ns = Namespace(who)
@@ -213,7 +214,7 @@ async def build_dockerfile_image(
 
             res = st.quotas.reserve(who, 1, opts.cpus, opts.memory_mb)
             try:
-                out = await build_dockerfile(st.node, opts, resolve_base=resolve)
+                out = await st.node.build_dockerfile(opts, resolve_base=resolve)
             finally:
                 res.release()
     finally:
@@ -234,7 +235,6 @@ async def import_image(request: Request, who: Who,
     st = state_of(request)
     ns = Namespace(who)
     target = ns.for_write(name)
-    from shoal.images.oci import import_archive
     tmp = Path(st.node.store.tmp_dir) / (tmp_name("upload-") + ".tar")
     try:
         async with store_budget(st.node.store, who, f"importing {name}"):
@@ -242,8 +242,7 @@ async def import_image(request: Request, who: Who,
             with os.fdopen(fd, "wb") as f:
                 async for chunk in request.stream():
                     f.write(chunk)
-            rep = await asyncio.to_thread(import_archive, st.node.store, tmp, target, select=select,
-                                          source_label="upload")
+            rep = await st.node.import_image(tmp, target, select=select, source_label="upload")
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -276,8 +275,6 @@ async def export_image(body: ExportIn, request: Request, who: Who) -> Response:
     from starlette.background import BackgroundTask
     from starlette.responses import FileResponse
 
-    from shoal.images.export import export_image as _export
-
     st = state_of(request)
     ns = Namespace(who)
     name = _lookup(st, ns, body.image)
@@ -286,7 +283,7 @@ async def export_image(body: ExportIn, request: Request, who: Who) -> Response:
     out = tmpd / (tmp_name("export-") + ".tar")
     tags = list(body.tags) if body.tags else [ns.show(name) if "@" not in name else body.image]
     try:
-        await asyncio.to_thread(_export, st.node.store, name, out, repo_tags=tags, work_dir=tmpd)
+        await st.node.export_image(name, out, repo_tags=tags)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             out.unlink()
@@ -299,14 +296,11 @@ async def export_image(body: ExportIn, request: Request, who: Who) -> Response:
 async def push_image(body: PushIn, request: Request, who: Who) -> dict[str, Any]:
     """Push an image to a registry with the server's credentials (admin tokens: the server writes where it is
     told, as itself). Blobs the registry has are not uploaded."""
-    from shoal.images.export import push_image as _push
-
     st = state_of(request)
     require_admin(who, "pushing to a registry with the server's credentials")
     ns = Namespace(who)
     name = _lookup(st, ns, body.image)
-    rep = await asyncio.to_thread(_push, st.node.store, name, body.target,
-                                  work_dir=Path(st.node.paths.home) / "tmp")
+    rep = await st.node.push_image(name, body.target)
     return rep.to_dict()
 
 
@@ -322,9 +316,7 @@ async def pull_image(body: PullIn, request: Request, who: Who) -> dict[str, Any]
         out["image"] = ns.show_image(out["image"])
         return dict(out)
     require_admin(who, "importing from a registry URL")
-    from shoal.images.oci import pull_image as _pull
-    rep = await asyncio.to_thread(_pull, st.node.store, body.source, ns.for_write(body.name),
-                                  tls_verify=body.tls_verify)
+    rep = await st.node.import_registry(body.source, ns.for_write(body.name), tls_verify=body.tls_verify)
     return _report(ns, rep)
 
 
@@ -362,6 +354,6 @@ async def run_code(body: RunCodeIn, request: Request, who: Who) -> dict[str, Any
         res = await st.node.run_code(body.code, language=body.language, **extra)
     except TypeError as e:
         raise InvalidRequest(f"bad run_code options: {e}") from None
-    if hasattr(res, "to_dict") and hasattr(res, "compile"):
+    if isinstance(res, RunCodeResult):
         return {"result": encode_run_code_result(res)}
     return {"result": jsonable(res)}

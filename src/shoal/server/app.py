@@ -24,10 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal import __version__
 from shoal.errors import CapacityExceeded, ShoalError
+from shoal.front import Front
 from shoal.node.node import Node
 from shoal.records import list_records
 from shoal.server import api_images, api_observe, api_sandboxes, api_stream, ui
-from shoal.server.deps import ServerState, authorized, require_admin, state_of
+from shoal.server.deps import ServerState, authorized, bind_front, require_admin, state_of
 from shoal.server.limits import BodyGuard, TokenLimiter
 from shoal.server.metrics import Metrics
 from shoal.server.quotas import QuotaTracker
@@ -221,13 +222,14 @@ class RequestMetrics:
                 m.request_seconds.labels(scope["method"], path).observe(time.perf_counter() - t0)
 
 
-def create_app(node: Node | None = None, settings: ServerSettings | None = None, *,
+def create_app(node: Front | None = None, settings: ServerSettings | None = None, *,
                tokens: TokenStore | None = None, manage_node: bool = True,
                quotas: QuotaTracker | None = None) -> FastAPI:
     """Build the API app around `node` (started and stopped with the app when `manage_node`). `node` may
     also be a cluster gateway's front (shoal.cluster.gateway), with its cluster-wide `quotas`."""
     settings = settings or ServerSettings()
-    node = node or Node()
+    if node is None:
+        node = Node()
     tokens = tokens or TokenStore(node.paths.home)
     limiter = TokenLimiter(settings.max_inflight_per_token, settings.max_queued_per_token)
     quotas = quotas or QuotaTracker(node.paths.sandboxes)
@@ -263,6 +265,7 @@ def create_app(node: Node | None = None, settings: ServerSettings | None = None,
                   generate_unique_id_function=_operation_id, default_response_class=SafeJSONResponse,
                   responses={400: MALFORMED_HTTP})
     app.state.shoal = state
+    bind_front(app, node)
     _install_handlers(app)
     app.include_router(api_observe.router)  # first: /v1/sandboxes/page is not a sandbox ID
     app.include_router(api_sandboxes.router)

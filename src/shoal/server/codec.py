@@ -34,7 +34,9 @@ def encode_exec_result(r: ExecResult) -> dict[str, Any]:
     d: dict[str, Any] = {"exit_code": int(r.exit_code), "stdout": so, "stderr": se, "encoding": enc,
                          "duration_s": float(r.duration_s), "timed_out": bool(r.timed_out),
                          "truncated": bool(r.truncated), "signal": int(r.signal)}
-    if hasattr(r, "alive"):
+    from shoal.agentproto.client import ShellResult
+
+    if isinstance(r, ShellResult):  # a shell's result: whether the command ended the shell
         d["alive"] = bool(r.alive)
     return d
 
@@ -80,7 +82,9 @@ def iter_exec_result_json(r: ExecResult) -> Iterator[bytes]:
     yield from _json_string(eb, enc)
     tail: dict[str, Any] = {"encoding": enc, "duration_s": float(r.duration_s), "timed_out": bool(r.timed_out),
                             "truncated": bool(r.truncated), "signal": int(r.signal)}
-    if hasattr(r, "alive"):
+    from shoal.agentproto.client import ShellResult
+
+    if isinstance(r, ShellResult):
         tail["alive"] = bool(r.alive)
     yield b"," + json.dumps(tail, separators=(",", ":")).encode()[1:]
 

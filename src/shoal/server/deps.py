@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from shoal.errors import Forbidden, InvalidRequest, SandboxNotFound, Unauthorized
+from shoal.errors import BackendUnavailable, Forbidden, InvalidRequest, SandboxNotFound, Unauthorized
 from shoal.images.refs import parse_ref
 from shoal.images.visibility import PROJECT_IMAGES, foreign, project_prefix, scoped_ref
 from shoal.models import SandboxInfo
@@ -20,7 +20,7 @@ from shoal.records import SandboxRecord
 from shoal.server.tokens import DEFAULT_PROJECT, Principal
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.front import Front
     from shoal.server.limits import TokenLimiter
     from shoal.server.metrics import Metrics
     from shoal.server.quotas import QuotaTracker
@@ -38,7 +38,8 @@ bearer = HTTPBearer(auto_error=False, description="an API token from `shoal toke
 class ServerState:
     """Everything the routes share (kept on `app.state.shoal`)."""
 
-    node: Node
+    #: the node side: the embedded Node, or a cluster gateway's ClusterFront (shoal.front.Front)
+    node: Front
     settings: ServerSettings
     tokens: TokenStore
     quotas: QuotaTracker
@@ -83,6 +84,22 @@ class ServerState:
 def state_of(request: Any) -> ServerState:
     """The shared server state of a request or WebSocket."""
     return request.app.state.shoal
+
+
+def bind_front(app: Any, front: Front) -> None:
+    """Make `front` the node side of `app` (what `front_of` returns): create_app does it for the API
+    server, shoal.server.fusion.bind_node for an app serving only the fncall routes."""
+    app.state.front = front
+
+
+def front_of(request: Any) -> Front:
+    """The node front bound to a request's app (`bind_front`); BackendUnavailable when none is."""
+    try:
+        front: Front = request.app.state.front
+    except AttributeError:  # starlette's State raises it for a name never set
+        raise BackendUnavailable("no shoal node is bound to this app: call shoal.server.fusion.bind_node(app, node)"
+                                 ) from None
+    return front
 
 
 async def authorized(request: Request,

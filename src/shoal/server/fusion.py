@@ -43,12 +43,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.backends.fncall import FncallManager
 from shoal.backends.fncall_languages import get_language, supported
-from shoal.errors import BackendUnavailable, InvalidRequest, ShoalError
+from shoal.errors import InvalidRequest, ShoalError
 from shoal.limits import MAX_RUN_CODE_BATCH
 from shoal.models import RunCodeResult
+from shoal.server.deps import bind_front, front_of
 
 if TYPE_CHECKING:
-    from shoal.node.node import Node
+    from shoal.front import Front
 
 router = APIRouter()
 
@@ -131,18 +132,16 @@ class NativeRunCodeManyIn(BaseModel):
 
 
 # ---- finding the node ------------------------------------------------------------------------------------
-def bind_node(app: FastAPI, node: Node) -> None:
-    """Make `node` the one the fncall routes of `app` use (not needed inside `shoal serve`)."""
-    app.state.fncall_node = node
+def bind_node(app: FastAPI, node: Front) -> None:
+    """Make `node` the one the fncall routes of `app` use (not needed inside `shoal serve`, whose app has
+    its front bound already)."""
+    bind_front(app, node)
 
 
 async def current_manager(request: Request) -> FncallManager:
-    """Dependency: the fncall manager of the app's node (async: FastAPI would run a plain def in a thread)."""
-    st = getattr(request.app.state, "shoal", None)
-    node = getattr(st, "node", None) or getattr(request.app.state, "fncall_node", None)
-    if node is None:
-        raise BackendUnavailable("no shoal node is bound to this app: call shoal.server.fusion.bind_node(app, node)")
-    return node.fncall()  # type: ignore[no-any-return]
+    """Dependency: the fncall manager of the app's node front (async: FastAPI would run a plain def in a
+    thread); BackendUnavailable when no front is bound, Unsupported from a cluster gateway."""
+    return front_of(request).fncall()
 
 
 # ---- translation -------------------------------------------------------------------------------------------
@@ -288,7 +287,7 @@ async def stats(mgr: FncallManager = Depends(current_manager)) -> dict[str, Any]
 
 
 # ---- a standalone app (`shoal fncall serve`, tests) ----------------------------------------------------
-def create_fusion_app(node: Node | None = None, *, warm: dict[str, int] | None = None) -> FastAPI:
+def create_fusion_app(node: Front | None = None, *, warm: dict[str, int] | None = None) -> FastAPI:
     """A FastAPI app serving only the fncall routes. Without `node` it runs its own (started and
     stopped with the app, which closes every pooled container); `warm` ({language: n}) pre-starts pools."""
 
@@ -297,7 +296,7 @@ def create_fusion_app(node: Node | None = None, *, warm: dict[str, int] | None =
         from shoal.node.node import Node
 
         own = node is None
-        n = Node() if own else node
+        n: Front = Node() if node is None else node
         if own:
             await n.start()
         bind_node(app, n)

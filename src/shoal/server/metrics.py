@@ -19,6 +19,7 @@ from shoal.node.events import LIFECYCLE
 from shoal.records import list_records
 
 if TYPE_CHECKING:
+    from shoal.front import Front
     from shoal.node.node import Node
     from shoal.server.limits import TokenLimiter
 
@@ -77,7 +78,7 @@ class _NodeCollector(Collector):
 class Metrics:
     """The metric objects the routes update."""
 
-    def __init__(self, node: Node, limiter: TokenLimiter) -> None:
+    def __init__(self, front: Front, limiter: TokenLimiter) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.create_seconds = Histogram("shoal_create_seconds", "Time to create one sandbox (until its agent "
@@ -89,7 +90,8 @@ class Metrics:
                                 ["method", "route", "status"], registry=r)
         self.request_seconds = Histogram("shoal_api_request_seconds", "API request latency by route",
                                          ["method", "route"], buckets=_LAT, registry=r)
-        if node.kind == "node":  # a cluster gateway's front has no records of its own: its nodes report
+        node = front.local_node()
+        if node is not None:  # a cluster gateway's front has no records of its own: its nodes report
             r.register(_NodeCollector(node, limiter))
 
 

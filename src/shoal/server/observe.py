@@ -31,6 +31,7 @@ from shoal.node.events import EventIndex, EventLog
 from shoal.server.live import LiveStats
 
 if TYPE_CHECKING:
+    from shoal.cluster.transport import ClusterTransport
     from shoal.node.node import Node
     from shoal.server.deps import ServerState
 
@@ -264,9 +265,10 @@ class NodeView:
 
     kind = "node"
 
-    def __init__(self, st: ServerState) -> None:
+    def __init__(self, st: ServerState, node: Node) -> None:
         self.st = st
-        self.node: Node = st.node
+        #: the embedded node beneath the front (Front.local_node): its records, admission and cgroups
+        self.node = node
         self.index = SandboxIndex(self.node)
         self.events = EventIndex(self.node.paths.home)
         self.live = LiveStats(self.figures)
@@ -376,9 +378,11 @@ class ClusterView:
 
     kind = "cluster"
 
-    def __init__(self, st: ServerState) -> None:
+    def __init__(self, st: ServerState, transport: ClusterTransport) -> None:
         self.st = st
-        self.front: Any = st.node
+        self.front = st.node
+        #: the gateway's transport to the node agents (Front.cluster_transport)
+        self.transport = transport
         self.log = EventLog.from_settings(self.front.paths.home, "gateway", settings())
         self.events = EventIndex(self.front.paths.home)
         self.live = LiveStats(lambda: self._figures)
@@ -407,10 +411,10 @@ class ClusterView:
 
     # ---- fan-out --------------------------------------------------------------------------------
     async def node_ids(self) -> list[str]:
-        return [s["node_id"] for s in await self.front.transport.states(max_age_s=1.0)]
+        return [s["node_id"] for s in await self.transport.states(max_age_s=1.0)]
 
     async def _ask(self, node_id: str, path: str, params: Any = None) -> Any:
-        return await self.front.transport.node_json(node_id, "GET", path, params=params)
+        return await self.transport.node_json(node_id, "GET", path, params=params)
 
     async def _ask_all(self, path: str, params: Any = None) -> dict[str, Any]:
         nids = await self.node_ids()
@@ -426,7 +430,7 @@ class ClusterView:
     # ---- figures --------------------------------------------------------------------------------
     async def nodes(self) -> list[dict[str, Any]]:
         """Every node agent with health and load (nodes that are gone, with their sandboxes, as `lost`)."""
-        states = await self.front.transport.states(max_age_s=1.0)
+        states = await self.transport.states(max_age_s=1.0)
         out = []
         for s in states:
             mem = dict(s.get("memory") or {})
@@ -443,7 +447,7 @@ class ClusterView:
     async def _lost_counts(self) -> dict[str, int]:
         counts: Counter[str] = Counter()
         with contextlib.suppress(ShoalError):
-            for info in await self.front.transport.lost_sandboxes():
+            for info in await self.transport.lost_sandboxes():
                 counts[info.node] += 1
         return dict(counts)
 
@@ -471,9 +475,9 @@ class ClusterView:
         return merge_pages(pages, q)
 
     async def _lost_rows(self, q: SandboxQuery) -> list[dict[str, Any]]:
-        rows = []
+        rows: list[dict[str, Any]] = []
         with contextlib.suppress(ShoalError):
-            for i in await self.front.transport.lost_sandboxes():
+            for i in await self.transport.lost_sandboxes():
                 if i.id not in self._lost_seen:
                     self._lost_seen.add(i.id)
                     self.events.refresh()
@@ -563,5 +567,11 @@ def _sum_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def view_for(st: ServerState) -> NodeView | ClusterView:
-    """The view of a server's node front (see the module doc)."""
-    return NodeView(st) if st.node.kind == "node" else ClusterView(st)
+    """The view of a server's node front (see the module doc): its embedded node's, or its cluster's."""
+    node = st.node.local_node()
+    if node is not None:
+        return NodeView(st, node)
+    transport = st.node.cluster_transport()
+    if transport is None:
+        raise TypeError(f"a {st.node.kind} front with neither an embedded node nor a cluster transport")
+    return ClusterView(st, transport)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from shoal.front import Front
 from shoal.node.node import Node
 from shoal.server.settings import ServerSettings
 from shoal.server.tokens import TokenStore
@@ -48,7 +49,7 @@ def uvicorn_config(app: object, settings: ServerSettings) -> uvicorn.Config:
         timeout_graceful_shutdown=10, server_header=False, proxy_headers=False)
 
 
-def serve(settings: ServerSettings | None = None, node: Node | None = None,
+def serve(settings: ServerSettings | None = None, node: Front | None = None,
           say: Callable[[str], None] = print, cluster: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM; sandboxes keep running after the server stops (crash-only). With
     `cluster` (ray://ADDR) the server is a gateway to every node agent of that Ray cluster."""
@@ -66,7 +67,8 @@ def serve(settings: ServerSettings | None = None, node: Node | None = None,
         say(f"shoal API on http://{settings.host}:{settings.port}: gateway to the cluster {cluster} "
             f"(tokens in {tokens.path}, images from {paths.store}); OpenAPI at /openapi.json")
     else:
-        node = node or Node()
+        if node is None:
+            node = Node()
         tokens = TokenStore(node.paths.home)
         plan_auth(settings, tokens, say)
         app = create_app(node, settings, tokens=tokens)

@@ -327,14 +327,7 @@ async def forget_sandbox(st: ServerState, sandbox_id: str) -> None:
 
 async def set_ttl(st: ServerState, sandbox_id: str, seconds: float, *, only_extend: bool = False) -> None:
     """Make the sandbox expire `seconds` from now (shoal's reaper closes it then)."""
-    async with st.node.locks.state(sandbox_id):
-        rec = st.node.record(sandbox_id)
-        new = time.time() + seconds
-        if only_extend and rec.expires_at is not None and rec.expires_at >= new:
-            return
-        rec.expires_at = new
-        rec.spec = {**rec.spec, "ttl_s": float(seconds)}
-        rec.save()
+    await st.node.set_ttl(sandbox_id, seconds, only_extend=only_extend)
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout")
