@@ -28,10 +28,14 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shoal.errors import InvalidRequest, ShoalError
+from shoal.errors import InvalidRequest, NodeUnavailable, ShoalError
 from shoal.models import SandboxInfo
+
+if TYPE_CHECKING:
+    from shoal.front import Front
+    from shoal.node.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,9 @@ class NodeAgent:
         self.home = Path(home) if home else self.settings.paths().home
         self.store = store
         self.host = host
-        self.node: Any = None
+        #: the node this agent runs (made by _start): the cluster's calls reach it as a Front (_control_op,
+        #: the HTTP app); the agent itself also drives its host side (network blocks, records, teardown)
+        self.node: Node | None = None
         self.url = ""
         self._server: Any = None
         self._serve_task: asyncio.Task[Any] | None = None
@@ -211,7 +217,8 @@ class NodeAgent:
         sock.listen(4096)
         port = sock.getsockname()[1]
         settings = ServerSettings(host=self.host, port=port, log_level="warning")
-        app = create_app(self.node, settings, tokens=self.tokens, manage_node=False)  # type: ignore[arg-type]
+        # InternalTokens offers what the app asks of a TokenStore (one internal admin token)
+        app = create_app(self._node(), settings, tokens=self.tokens, manage_node=False)  # type: ignore[arg-type]
         config = uvicorn_config(app, settings)
         server = uvicorn.Server(config)
         self._server = server
@@ -226,6 +233,13 @@ class NodeAgent:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps({"host": self.host, "port": port}))
 
+    def _node(self) -> Node:
+        """The started node (callers run ensure_started first)."""
+        if self.node is None:
+            raise NodeUnavailable(f"node agent {self.node_id} has no node running (starting or torn down)",
+                                  node=self.node_id)
+        return self.node
+
     def hello(self) -> dict[str, Any]:
         """Who this agent is and how to reach its data plane."""
         return {"node_id": self.node_id, "ray_node_id": self.ray_node_id, "url": self.url,
@@ -238,16 +252,17 @@ class NodeAgent:
         from shoal.node.teardown import purge_home, teardown_home
 
         await self.ensure_started()
-        live = await self.node.list()
+        node = self._node()
+        live = await node.list()
         if live and not force:
             return _err(InvalidRequest(
                 f"node {self.node_id} still has {len(live)} sandbox(es) (e.g. {live[0].id}); close them or "
                 "pass --force", sandboxes=len(live)))
         await self._stop_serving()
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.node.network().set_blocked, f"cluster-{self.node_id}", [])
-        paths = self.node.paths
-        await self.node.stop()
+            await asyncio.to_thread(node.network().set_blocked, f"cluster-{self.node_id}", [])
+        paths = node.paths
+        await node.stop()
         self.node = None
         try:
             rep = await teardown_home(paths, close_sandboxes=force)
@@ -285,7 +300,7 @@ class NodeAgent:
             return self._state_cache[1]
         from shoal.cluster.nodestate import node_state
 
-        st = node_state(self.node, ray_node_id=self.ray_node_id, url=self.url)
+        st = node_state(self._node(), ray_node_id=self.ray_node_id, url=self.url)
         self._state_cache = (now, st)
         return st
 
@@ -296,7 +311,7 @@ class NodeAgent:
         from shoal.records import list_records
 
         return [(r.id, r.project, float(r.spec.get("cpus", 0)), int(r.spec.get("memory_mb", 0)), r.state, r.spec)
-                for r in list_records(self.node.paths.sandboxes) if not r.extra.get("pool")]
+                for r in list_records(self._node().paths.sandboxes) if not r.extra.get("pool")]
 
     async def call(self, op: str, sandbox_id: str, args: tuple[Any, ...] = (),
                    kw: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -315,7 +330,7 @@ class NodeAgent:
 
     def _control_op(self, op: str) -> Callable[..., Awaitable[Any]]:
         """The node's front operation named `op` (one of CONTROL_OPS): an explicit table, not a lookup by name."""
-        n = self.node
+        n: Front = self._node()
         ops: dict[str, Callable[..., Awaitable[Any]]] = {
             "get": n.get, "close": n.close, "pause": n.pause, "resume": n.resume, "snapshot": n.snapshot,
             "fork": n.fork, "exec": n.exec, "read_file": n.read_file, "write_file": n.write_file,
@@ -329,7 +344,7 @@ class NodeAgent:
         networked sandbox reaches none of their ports (Ray runs whatever a client that reaches it submits)."""
         try:
             addrs = await asyncio.to_thread(cluster_addresses)
-            await asyncio.to_thread(self.node.network().set_blocked, f"cluster-{self.node_id}", addrs)
+            await asyncio.to_thread(self._node().network().set_blocked, f"cluster-{self.node_id}", addrs)
         except Exception as e:  # no nft here (then no sandbox has a network either), Ray busy: next round
             log.warning("node agent %s: could not update the cluster's blocked addresses: %s", self.node_id, e)
 
@@ -347,11 +362,12 @@ class NodeAgent:
         while True:
             with contextlib.suppress(Exception):
                 # a create or close adds or removes an entry of the sandboxes directory: one stat tells
-                mtime = os.stat(self.node.paths.sandboxes).st_mtime_ns
+                node = self._node()
+                mtime = os.stat(node.paths.sandboxes).st_mtime_ns
                 now = time.monotonic()
                 if mtime != seen[0] or now - seen[1] > _INDEX_FULL_S:
                     seen = (mtime, now)
-                    infos = await self.node.list()
+                    infos = await node.list()
                     data = json.dumps([_index_entry(i) for i in infos], separators=(",", ":")).encode()
                     if data != last:
                         await asyncio.to_thread(kv_put, KV_INDEX_PREFIX + self.node_id, data)

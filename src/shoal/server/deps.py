@@ -50,6 +50,8 @@ class ServerState:
     view: Any = None
     #: one-time WebSocket tickets (api_observe.ws_ticket): ticket -> (principal, monotonic expiry)
     tickets: dict[str, tuple[Principal, float]] = field(default_factory=dict)
+    #: what the compat APIs keep per server process, by name (shoal.server.compat.common.server_local)
+    compat: dict[str, Any] = field(default_factory=dict)
 
     def auth_required(self) -> bool:
         """Tokens are required once any exists, unless the server runs with --no-auth."""

@@ -64,8 +64,8 @@ def interpreter_image(st: ServerState) -> str | None:
 
     if st.node.store.exists(INTERPRETER_IMAGE):
         return INTERPRETER_IMAGE
-    if not getattr(st, "_interpreter_image_warned", False):
-        st._interpreter_image_warned = True  # type: ignore[attr-defined]
+    if not st.compat.get("interpreter_image_warned"):
+        st.compat["interpreter_image_warned"] = True
         log.warning("E2B template code-interpreter-v1 runs in %s without matplotlib/pandas/IPython: build "
                     "them once with `shoal image build code-interpreter`", settings().e2b_default_image or "base")
     return None
@@ -73,12 +73,10 @@ def interpreter_image(st: ServerState) -> str | None:
 
 def server_local(st: ServerState, name: str, make: Callable[[], T]) -> T:
     """What the compat layer keeps per server process (process tables, contexts, watchers, ...): made on first
-    use and kept on the server state as `_e2b_<name>`."""
-    attr = f"_e2b_{name}"
-    got = getattr(st, attr, None)
+    use and kept in the server state's `compat` table under `name`."""
+    got: T | None = st.compat.get(name)
     if got is None:
-        got = make()
-        setattr(st, attr, got)
+        got = st.compat[name] = make()
     return got
 
 
@@ -139,7 +137,7 @@ def principal_from_key(st: ServerState, api_key: str | None, authorization: str 
 
 def _secret(st: ServerState) -> bytes:
     """The server's key for envd access tokens: random, made once per SHOAL_HOME, readable by root only."""
-    cached = getattr(st, "_compat_secret", None)
+    cached: bytes | None = st.compat.get("secret")
     if cached is not None:
         return cached
     path = Path(st.node.paths.home) / "api" / "compat.key"
@@ -162,7 +160,7 @@ def _secret(st: ServerState) -> bytes:
         break
     if len(key) < 32:
         raise RuntimeError(f"{path} is damaged: remove it (envd access tokens handed out so far stop working)")
-    st._compat_secret = key  # type: ignore[attr-defined]
+    st.compat["secret"] = key
     return key
 
 

@@ -26,6 +26,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from shoal.errors import InvalidRequest, SandboxError, SandboxNotFound, ShoalError
+from shoal.models import ExecResult
 from shoal.server.compat import common
 from shoal.server.compat.repl_driver import SOURCE
 from shoal.server.compat.routes import compat_router
@@ -289,7 +290,7 @@ async def execute(request: Request) -> Response:
 
 def _exited(ctx: Context, result: Any) -> dict[str, Any]:
     """The error record for an interpreter that died mid-execution."""
-    code = getattr(result, "exit_code", None)
+    code = result.exit_code if isinstance(result, ExecResult) else None  # None: the stream ended without one
     why = f"exit code {code}" if code is not None else "its output stream ended"
     tail = ctx.stderr.decode("utf-8", "replace").strip()
     return {"type": "error", "name": "InterpreterExited",

@@ -155,9 +155,8 @@ def pool(st: ServerState) -> httpcore.AsyncConnectionPool:
 
 async def close_pool(st: ServerState) -> None:
     """Close the pooled relays (server shutdown)."""
-    p = getattr(st, "_e2b_port_pool", None)
+    p = st.compat.pop("port_pool", None)
     if p is not None:
-        st._e2b_port_pool = None  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):
             await p.aclose()
 

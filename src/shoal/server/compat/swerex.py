@@ -181,12 +181,16 @@ class Session:
     last_exit: int = 0
 
 
+def _ended_shell(result: object) -> bool:
+    """True when a shell command's result says the command ended the shell (exit, exec, a killed loop)."""
+    from shoal.agentproto.client import ShellResult
+
+    return isinstance(result, ShellResult) and not result.alive
+
+
 def _sessions(st: ServerState) -> dict[tuple[str, str], Session]:
-    t = getattr(st, "_swerex_sessions", None)
-    if t is None:
-        t = {}
-        st._swerex_sessions = t  # type: ignore[attr-defined]
-    return t
+    sessions: dict[tuple[str, str], Session] = common.server_local(st, "swerex_sessions", dict)
+    return sessions
 
 
 def _caller(request: Request, sandbox_id: str) -> tuple[ServerState, Principal]:
@@ -334,7 +338,7 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
     sess.last_exit = int(result.exit_code) if action.check == "ignore" else 0
     if result.timed_out:
         sess.last_exit = 130  # what bash reports for a command ended by Ctrl-C
-        if not getattr(result, "alive", True):
+        if _ended_shell(result):
             _sessions(st).pop((sandbox_id, sess.name), None)
             raise Transfer(EXC + "CommandTimeoutError",
                            f"timeout after {action.timeout} seconds while running command {action.command!r}; "
@@ -342,7 +346,7 @@ async def _run(st: ServerState, sandbox_id: str, sess: Session, action: RunActio
                            "session's shell had to be killed: create the session again")
         raise Transfer(EXC + "CommandTimeoutError",
                        f"timeout after {action.timeout} seconds while running command {action.command!r}")
-    if not getattr(result, "alive", True):
+    if _ended_shell(result):
         _sessions(st).pop((sandbox_id, sess.name), None)  # the command ended the shell (exit, exec)
     if result.exit_code == 2 and "syntax error" in output:
         await _check_syntax(st, sandbox_id, action.command)
@@ -560,9 +564,7 @@ async def _file_chunks(src: Any) -> AsyncIterator[bytes]:
 def _upload_gate(st: ServerState, who: Principal) -> asyncio.Semaphore:
     """At most `api_max_uploads` uploads of one token write into sandboxes at once (the rest wait): with one
     chunk per upload in memory, what a token's uploads hold in the server is bounded too."""
-    gates: dict[str, asyncio.Semaphore] | None = getattr(st, "_swerex_upload_gates", None)
-    if gates is None:
-        gates = st._swerex_upload_gates = {}  # type: ignore[attr-defined]
+    gates: dict[str, asyncio.Semaphore] = common.server_local(st, "swerex_upload_gates", dict)
     gate = gates.get(who.token_id)
     if gate is None:
         from shoal.config import settings
