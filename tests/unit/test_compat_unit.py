@@ -64,7 +64,7 @@ class _Store:
 def test_template_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     from shoal.config import reset
 
-    st = SimpleNamespace(node=SimpleNamespace(store=_Store({"swe-task", "py", "projects/team/mine"})))
+    st = SimpleNamespace(node=SimpleNamespace(store=_Store({"swe-task", "py", "projects/team/mine"})), compat={})
     team = Principal(project="team")
     monkeypatch.setenv("SHOAL_E2B_TEMPLATES", "code-interpreter-v1=py:3.12")
     reset()
@@ -101,7 +101,7 @@ def test_access_tokens_open_one_sandbox_and_die_with_their_token(tmp_path: Path)
     who = tokens.authenticate(plain)
     assert who is not None
     st = SimpleNamespace(node=SimpleNamespace(paths=SimpleNamespace(home=tmp_path)), tokens=tokens,
-                         auth_required=lambda: True)
+                         auth_required=lambda: True, compat={})
     a, b = "n0-" + "a" * 26, "n0-" + "b" * 26
     tok = common.access_token(st, who, a)
     assert tok != plain and common.access_token(st, who, a) == tok  # stable: the key is kept on disk
