@@ -20,13 +20,14 @@ from shoal.images.store import ImageStore
 from shoal.node.admission import Admission
 from shoal.node.connections import AgentConnections
 from shoal.node.statelock import SandboxLocks
-from shoal.records import SandboxRecord, check_sandbox_id, my_identity, new_sandbox_id
+from shoal.records import SandboxRecord, check_sandbox_id, my_identity, new_sandbox_id, spec_copy
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
     from shoal.backends.context import SandboxHost
     from shoal.models import SandboxInfo
     from shoal.node.network import NetworkManager
+    from shoal.spec import SandboxSpec
 
 
 class NodeContextImpl:
@@ -76,20 +77,21 @@ class NodeContextImpl:
         return SandboxRecord.load(self.paths.sandboxes / sandbox_id)
 
     def new_record(self, *, backend: str, image: str, image_digest: str, layers: list[str],
-                   spec: dict[str, Any], extra: dict[str, Any], make_dir: Callable[[Path], None] | None = None,
+                   spec: SandboxSpec, extra: dict[str, Any], make_dir: Callable[[Path], None] | None = None,
                    runtime: str = "", project: str | None = None, labels: dict[str, str] | None = None,
                    ) -> SandboxRecord:
         """A record (not saved yet) for a new sandbox of this node, with its directory made and this
-        process as its owner; the TTL, project and labels come from `spec` unless given."""
+        process as its owner; it keeps its own copy of `spec`, and its TTL, project and labels come from
+        `spec` unless given."""
         sid = new_sandbox_id(self.config.node_id)
         d = self.paths.sandboxes / sid
         (make_dir or Path.mkdir)(d)
         owner_pid, owner_start = my_identity()
         now = time.time()
-        ttl = spec.get("ttl_s")
+        ttl = spec.ttl_s
         return SandboxRecord(
-            id=sid, backend=backend, image=image, image_digest=image_digest, layers=layers, spec=spec,
+            id=sid, backend=backend, image=image, image_digest=image_digest, layers=layers, spec=spec_copy(spec),
             dir=str(d), owner_pid=owner_pid, owner_start=owner_start, created_at=now,
             expires_at=(now + float(ttl)) if ttl else None,
-            project=project if project is not None else (spec.get("project") or "default"),
-            labels=dict(labels if labels is not None else (spec.get("labels") or {})), runtime=runtime, extra=extra)
+            project=project if project is not None else (spec.project or "default"),
+            labels=dict(labels if labels is not None else spec.labels), runtime=runtime, extra=extra)

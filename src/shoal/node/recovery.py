@@ -138,7 +138,7 @@ class Recovery:
                 if dead:
                     self.node.events.emit("lost", rec.id, rec.project, reason="its init process is gone")
                 else:
-                    self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.typed_spec.ttl_s)
+                    self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.spec.ttl_s)
             try:
                 await self.node.close(rec.id, reason="lost" if dead else "timeout")
                 n += 1

@@ -72,7 +72,7 @@ def _budget(node: SnapshotHost, rec: SandboxRecord, squash: bool, store_budget: 
 
     A layer holds what the sandbox wrote, and the sandbox could not store more than its disk_mb: the same
     bound holds in the store, whatever sparse files claim (a squash also holds the image's own layers)."""
-    disk_mb = int(rec.typed_spec.disk_mb or 4096)
+    disk_mb = int(rec.spec.disk_mb or 4096)
     limit, why = disk_mb << 20, f"the sandbox's disk_mb={disk_mb}"
     if squash:
         parents = 0
@@ -159,14 +159,14 @@ async def snapshot_sandbox(node: SnapshotHost, sandbox_id: str, name: str, *, sq
         layer: Layer | None = None
         squashed = False
         try:
-            empty = await asyncio.to_thread(upper_is_empty, Path(upper), bool(rec.typed_spec.network))
+            empty = await asyncio.to_thread(upper_is_empty, Path(upper), bool(rec.spec.network))
             depth = len(parent_layers) + (0 if empty else 1)
             squashed = bool(squash) or (squash is None and depth > max_layers())
             budget = _budget(node, rec, squashed, store_budget)
             if squashed:
                 layer = await asyncio.to_thread(_squash, node, rec, Path(upper), dict(source, squashed=True), budget)
             elif not empty:
-                kw: dict[str, Any] = {"network": True} if rec.typed_spec.network else {}
+                kw: dict[str, Any] = {"network": True} if rec.spec.network else {}
                 layer = await asyncio.to_thread(lambda: pack_upper(
                     node.store, Path(upper), source, compress, max_bytes=budget[0],
                     what=f"the snapshot of sandbox {rec.id}", why=budget[1], **kw))
@@ -204,7 +204,7 @@ def _child_spec(rec: SandboxRecord, image_ref: str, overrides: dict[str, Any]) -
     if unknown:
         raise InvalidRequest(f"unknown sandbox option(s) for fork: {', '.join(sorted(unknown))}; "
                              f"known: {', '.join(sorted(known - {'image'}))}")
-    base = {k: v for k, v in rec.spec.items() if k in known}
+    base = rec.spec.to_dict()
     base.update(overrides)
     base["image"] = image_ref
     labels = dict(base.get("labels") or {})
