@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests import srcast
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = SRC / "shoal"
@@ -88,7 +91,7 @@ def import_graph(*, type_checking: bool = False) -> dict[str, Module]:
     `if TYPE_CHECKING:` too when `type_checking`)."""
     mods = _modules()
     for m in mods.values():
-        for node, deferred in _walk(ast.parse(m.path.read_text(), str(m.path)), type_checking=type_checking):
+        for node, deferred in _walk(srcast.tree(m.path), type_checking=type_checking):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -242,19 +245,33 @@ _PRELOAD = ["pydantic", "fastapi", "fastapi.routing", "starlette", "httpx", "ric
             "uvicorn", "websockets", "zstandard", "anyio", "shoal"]
 
 
-def test_every_module_imports_first_in_a_fresh_process() -> None:
+#: the environment the modules are imported in: a setting with a bad value and no config file, so a module that
+#: reads settings at import fails here as it would for a user (tests/unit/test_config.py uses the same run)
+BAD_SETTINGS_ENV = {"SHOAL_MEMORY_OVERCOMMIT": "lots", "SHOAL_CONFIG": "/dev/null"}
+
+
+@functools.cache
+def fresh_import_results() -> dict[str, str]:
+    """Module name -> "" (imported), "optional:…" (a third-party package missing) or "error:…", each module
+    imported first in a fresh process under BAD_SETTINGS_ENV; run once per test session."""
     names = sorted(set(_modules()) - {"shoal"})
     # one forking parent per CPU (up to 4), each with a share of the modules: the children are independent
     par = max(1, min(4, os.cpu_count() or 1))
     shares = [names[i::par] for i in range(par)]
+    env = {**os.environ, **BAD_SETTINGS_ENV}
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(share), *_PRELOAD], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=SRC.parent) for share in shares if share]
+                              stderr=subprocess.PIPE, text=True, cwd=SRC.parent, env=env) for share in shares if share]
     results: dict[str, str] = {}
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
         results.update(json.loads(out))
     assert set(results) == set(names)
+    return results
+
+
+def test_every_module_imports_first_in_a_fresh_process() -> None:
+    results = fresh_import_results()
     broken = {n: msg.removeprefix("error:") for n, msg in results.items() if msg.startswith("error:")}
     assert not broken, "modules that fail to import on their own:\n" + "\n".join(f"  {n}: {m}"
                                                                                   for n, m in broken.items())

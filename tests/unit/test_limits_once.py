@@ -8,18 +8,19 @@ from pathlib import Path
 
 from shoal import limits
 from shoal.config import Settings
+from tests import srcast
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shoal"
 
 
 def _py_files() -> list[Path]:
-    return sorted(p for p in SRC.rglob("*.py") if "__pycache__" not in p.parts)
+    return srcast.py_files(SRC)
 
 
 def _literal_defaults(path: Path, param: str) -> list[tuple[int, object]]:
     """(line, value) of every literal default of a parameter or dataclass field called `param`."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in srcast.nodes(path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             out += _literal_defaults_of(node, param)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == param \
@@ -34,8 +35,7 @@ def test_agent_connect_timeouts_come_from_limits() -> None:
     for p in _py_files():
         if p.name == "limits.py":
             continue
-        tree = ast.parse(p.read_text())
-        for node in ast.walk(tree):
+        for node in srcast.nodes(p):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in {"connect", "connect_unix"}:
                 if node.returns is None or "AgentClient" not in ast.unparse(node.returns):
                     continue  # e.g. a QMP socket: not the agent
@@ -72,7 +72,7 @@ def test_batch_limits_are_the_ones_in_limits() -> None:
     for p in _py_files():
         if p.name == "limits.py":
             continue
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in srcast.nodes(p):
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MAX_BATCH"
                                                     for t in node.targets) \
                     and isinstance(node.value, ast.Constant) and node.value.value in numbers:

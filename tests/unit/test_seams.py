@@ -20,12 +20,13 @@ from shoal.backends.registry import (
     make_runtime,
 )
 from shoal.errors import InvalidRequest
+from tests import srcast
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shoal"
 
 
 def _py_files(under: Path) -> list[Path]:
-    return sorted(p for p in under.rglob("*.py") if "__pycache__" not in p.parts)
+    return srcast.py_files(under)
 
 
 def test_nothing_outside_node_touches_private_node_attributes() -> None:
@@ -35,7 +36,7 @@ def test_nothing_outside_node_touches_private_node_attributes() -> None:
     for path in _py_files(SRC):
         if path.is_relative_to(SRC / "node"):
             continue
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(srcast.source(path).splitlines(), 1):
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
     assert not offenders, "private Node attributes used outside shoal.node:\n" + "\n".join(offenders)
@@ -46,7 +47,7 @@ def test_node_parts_do_not_reach_into_the_node_either() -> None:
     pattern = re.compile(r"\b(?:node|self\.node)\._[A-Za-z]")
     offenders = []
     for path in _py_files(SRC / "node"):
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(srcast.source(path).splitlines(), 1):
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
@@ -58,7 +59,7 @@ def test_capabilities_are_not_found_by_name() -> None:
     bad = re.compile(r"importlib|inspect\.signature|getattr\(backend|rec\.backend\s*[=!]=|spec\.backend\s*[=!]=")
     offenders = []
     for path in _py_files(SRC / "node"):
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(srcast.source(path).splitlines(), 1):
             if bad.search(line):
                 offenders.append(f"{path.relative_to(SRC)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
@@ -67,8 +68,7 @@ def test_capabilities_are_not_found_by_name() -> None:
 def test_no_import_guards_around_shoals_own_modules() -> None:
     offenders = []
     for path in _py_files(SRC):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+        for node in srcast.nodes(path):
             if not isinstance(node, ast.Try):
                 continue
             guards_import = any(

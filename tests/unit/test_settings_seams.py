@@ -8,19 +8,20 @@ import ast
 from pathlib import Path
 
 from shoal.config import NODE_SETTINGS, NodeConfig, Settings
+from tests import srcast
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shoal"
 
 
 def _py_files(under: Path) -> list[Path]:
-    return sorted(p for p in under.rglob("*.py") if "__pycache__" not in p.parts)
+    return srcast.py_files(under)
 
 
 def _settings_calls(path: Path) -> list[int]:
     """Lines calling `settings()` (the process-wide, environment-reading accessor of shoal.config) or
     `Settings.load()` (resolving them again)."""
     lines = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in srcast.nodes(path):
         if not isinstance(node, ast.Call):
             continue
         f = node.func
@@ -86,7 +87,7 @@ def _is_environ(node: ast.AST) -> bool:
 def _environ_writes(path: Path) -> list[int]:
     """Lines that change this process's environment: os.environ[k] = / del / .update(…) / os.putenv …"""
     lines = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in srcast.nodes(path):
         targets: list[ast.AST] = []
         if isinstance(node, ast.Assign):
             targets = list(node.targets)
