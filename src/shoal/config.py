@@ -1045,7 +1045,7 @@ class NodeConfig:
     zram_swap: str | None = FROM_SETTINGS
     #: close an agent connection unused this long (s; 0 = never): see shoal.node.connections
     agent_idle_s: float = FROM_SETTINGS
-    #: sandboxes kept ready per image from the start ({"base": 16}); Node.set_warm_pool changes it later
+    #: sandboxes kept ready per image from the start ({"base": 16}); Node.pool.configure changes it later
     warm_pool: dict[str, int] = FROM_SETTINGS
     #: string commands run with /bin/sh -c instead of /bin/bash -c (images without bash)
     posix_sh: bool = FROM_SETTINGS

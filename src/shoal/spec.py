@@ -195,11 +195,11 @@ class SandboxSpec(BaseModel):
         return cls(image=image, **options)
 
     @classmethod
-    def from_record(cls, spec: Mapping[str, Any], **changes: Any) -> SandboxSpec:
+    def from_record(cls, stored: Mapping[str, Any], **changes: Any) -> SandboxSpec:
         """A new spec, validated, from the JSON form of a stored one (a VM snapshot's) with `changes` applied;
         keys this version does not know are left out."""
         known = cls.model_fields
-        return cls(**{**{k: v for k, v in spec.items() if k in known}, **changes})
+        return cls(**{**{k: v for k, v in stored.items() if k in known}, **changes})
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> SandboxSpec:

@@ -231,7 +231,7 @@ async def test_ttl_auto_stop(client: shoal.Client) -> None:
 
     async def reaped() -> bool:
         # either this pass or the node's background reaper (which may run first) closes it once expired
-        await client.transport.node.reap_once()
+        await client.transport.node.recovery.reap_once()
         try:
             await client.get(sb.id)
         except shoal.SandboxNotFound:

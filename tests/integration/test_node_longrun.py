@@ -175,7 +175,7 @@ async def test_periodic_passes_run_while_sandboxes_come_and_go(client: shoal.Cli
             passes["sample"] += 1
             await node.connections.sweep()
             passes["sweep"] += 1
-            await node.reap_once()
+            await node.recovery.reap_once()
             passes["reap"] += 1
             await asyncio.sleep(0)
 

@@ -11,7 +11,7 @@ import pytest
 import shoal
 from shoal.config import Paths
 from shoal.images.store import ImageStore
-from shoal.node.snapshot import fork_sandbox, snapshot_sandbox
+from shoal.node.snapshot import snapshot_sandbox
 from tests.conftest import runtime_containers
 
 pytestmark = [pytest.mark.root]
@@ -84,7 +84,7 @@ async def test_snapshot_bad_input(client: shoal.Client, names: list[str]) -> Non
         with pytest.raises(shoal.InvalidRequest):
             await sb.snapshot(bad)
     with pytest.raises(shoal.SandboxNotFound):
-        await snapshot_sandbox(client.transport.node, "n0-" + "b" * 26, _name(names))
+        await snapshot_sandbox(client.transport.node.core, "n0-" + "b" * 26, _name(names))
     # nothing was left frozen by the refused requests
     assert (await sb.exec("echo ok")).stdout == b"ok\n"
 
@@ -124,9 +124,9 @@ async def test_fork_options_and_memory_fork(client: shoal.Client, names: list[st
     sb = await client.create("base")
     node = client.transport.node
     with pytest.raises(shoal.InvalidRequest):
-        await fork_sandbox(node, sb.id, 0)
+        await node.fork(sb.id, 0)
     with pytest.raises(shoal.InvalidRequest):
-        await fork_sandbox(node, sb.id, 2, no_such_option=1)
+        await node.fork(sb.id, 2, no_such_option=1)
     # containers on crun/runc cannot carry processes and memory over: a clear, typed refusal
     with pytest.raises((shoal.BackendUnavailable, shoal.NotImplementedYet)) as ei:
         await sb.fork(2, memory=True)
@@ -139,7 +139,7 @@ async def test_fork_options_and_memory_fork(client: shoal.Client, names: list[st
 async def test_squashed_snapshot_has_one_layer_with_the_whole_tree(client: shoal.Client, names: list[str]) -> None:
     sb = await client.create("base")
     await sb.exec("echo sq > /root/sq && rm /etc/debian_version")
-    img = await snapshot_sandbox(client.transport.node, sb.id, _name(names), squash=True)
+    img = await snapshot_sandbox(client.transport.node.core, sb.id, _name(names), squash=True)
     assert len(img["layers"]) == 1 and img["lineage"]["squashed"] is True
     child = await client.create(img["ref"])
     r = await child.exec("cat /root/sq; test -e /etc/debian_version; echo $?; python3 -c 'print(2+2)'")

@@ -73,7 +73,7 @@ async def test_a_request_racing_the_idle_sweep_gets_a_fresh_connection(node: Nod
             assert await node.connections.sweep() == 1
         return await client.exec(["echo", "ok"])
 
-    r = await node.call(node.record(sb.id), fn)
+    r = await node.core.call(node.record(sb.id), fn)
     assert r.stdout == b"ok\n" and len(calls) == 2 and calls[0].closed_idle and calls[1] is not c
 
 

@@ -102,7 +102,7 @@ async def test_ttl_reaping(node: Node) -> None:
     expires = short.expires_at
     assert expires is not None
     await async_wait_for(lambda: time.time() >= expires, what="the short ttl to pass")
-    assert await node.reap_once() == 1
+    assert await node.recovery.reap_once() == 1
     assert [i.id for i in await node.list()] == [keep.id]
     assert node.admission.snapshot().sandboxes == 1
 
@@ -114,7 +114,7 @@ async def test_reaper_closes_sandboxes_whose_init_died(node: Node) -> None:
     await async_wait_for(lambda: not rec.init_alive(), what="the killed init to be gone")
     with pytest.raises(SandboxError, match="died"):
         await node.exec(info.id, "true")
-    assert await node.reap_once() == 1
+    assert await node.recovery.reap_once() == 1
     assert await node.list() == []
 
 
@@ -181,11 +181,11 @@ async def test_reconcile_adopts_live_sandboxes_after_a_crash(fake_home: Path) ->
         r = await second.exec(live.id, "echo still here")
         assert r.stdout == b"still here\n"
         # adopt(record) is the public door: a dead record is refused
-        assert second.adopt(second.record(live.id)).id == live.id
+        assert second.recovery.adopt(second.record(live.id)).id == live.id
         dead = second.record(live.id)
         dead.state = "failed"
         with pytest.raises(SandboxError, match="cannot adopt"):
-            second.adopt(dead)
+            second.recovery.adopt(dead)
     finally:
         await second.close_all()
         await second.stop()
@@ -259,7 +259,7 @@ async def test_file_snapshot_and_fork(node: Node) -> None:
 
 
 async def test_warm_pool_hands_out_ready_sandboxes(node: Node) -> None:
-    node.set_warm_pool(spec(), 2)
+    node.pool.configure(spec(), 2)
     await node.pool.wait_full(timeout=60)
     assert await node.list() == []  # pooled sandboxes are not listed
     info = await node.create(spec(labels={"from": "pool"}, ttl_s=60))
@@ -290,7 +290,7 @@ async def test_stopping_the_node_while_the_pool_refills_leaves_nothing(fake_home
     node = Node(fake_config(fake_home))
     add_image(node.store, "t:1", {"/work/x": "x"})
     await node.start(reap=False)
-    node.set_warm_pool(spec(), 6)  # refills start at once, 4 at a time
+    node.pool.configure(spec(), 6)  # refills start at once, 4 at a time
     await async_wait_for(lambda: any(r.state == "creating" for r in list_records(node.paths.sandboxes)),
                          what="a pool refill to be under way", interval=0.001)
     await node.stop()
@@ -349,7 +349,7 @@ async def test_the_reaper_scans_records_off_the_event_loop(node: Node, monkeypat
 
     t = asyncio.ensure_future(ticker())
     try:
-        assert await node.reap_once() == 0
+        assert await node.recovery.reap_once() == 0
     finally:
         t.cancel()
     assert ticks >= 5, "the event loop stood still while the reaper read the records"

@@ -86,7 +86,7 @@ async def test_ttl_expiry_and_a_dead_init_are_logged_as_timeout_and_lost(node: N
     b = await node.create(SandboxSpec(image="t:1", backend="fake"))
     os.kill(node.record(b.id).init_pid, 9)
     async def both_closed() -> bool:
-        await node.reap_once()
+        await node.recovery.reap_once()
         return len([e for e in read_events(node.paths.home) if e.kind == "closed"]) == 2
 
     await async_wait_for(both_closed, what="the reaper to close the expired and the dead sandbox", interval=0.2)

@@ -1,7 +1,7 @@
 """What a backend may use of its node: the one interface between shoal.backends and shoal.node.
 
 Backends are built with a `NodeContext` and see the node only through it; shoal.node implements it
-(`shoal.node.context.NodeContextImpl`) and never hands a backend the Node itself. No backend imports
+(`shoal.node.core.NodeCore`, the node's internals) and never hands a backend the Node itself. No backend imports
 shoal.node (tests/unit/test_architecture.py checks): sandbox records are `shoal.records`, settings
 `shoal.config`, and everything else the node offers — admission, agent connections, state locks, the
 network, other backends, new records — is one of the protocols below, each as small as its users need.

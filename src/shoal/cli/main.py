@@ -248,7 +248,7 @@ def gc() -> None:
         await node.start(reap=False, reconcile=False)
         try:
             stats = await node.reconcile()
-            stats["expired"] = await node.reap_once()
+            stats["expired"] = await node.recovery.reap_once()
         finally:
             await node.stop()
         console.print(stats)

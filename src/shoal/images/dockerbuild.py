@@ -1302,8 +1302,9 @@ class DockerBuild:
         host_mounts, cleanup = await asyncio.to_thread(self._prepare_mounts, mounts)
         try:
             try:
-                info = await self.node.start_sandbox(spec, image, extra={"build_mounts": host_mounts}
-                                                     if host_mounts else None)
+                # the node's internals: a build sandbox carries bind mounts no user spec may ask for
+                info = await self.node.core.start_sandbox(spec, image, extra={"build_mounts": host_mounts}
+                                                          if host_mounts else None)
             except ShoalError as e:
                 raise ImageBuildError(f"`{text[:200]}`: could not start a build sandbox: {e.message}") from None
             sid = info.id

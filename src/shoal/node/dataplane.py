@@ -1,8 +1,8 @@
 """The node's data plane: exec, streams, files and shells, through the in-sandbox agent.
 
 These are the same on every backend (one agent, one protocol), so they live apart from the node's
-control plane (create, close, pause, snapshot). `Node` mixes this class in; it supplies `record`,
-`client` and `call` (which resume a paused sandbox and report a dead one).
+control plane (create, close, pause, snapshot). `Node` mixes this class in; it supplies `core` (shoal.node.core:
+records, `client` and `call`, which resume a paused sandbox and report a dead one).
 """
 
 from __future__ import annotations
@@ -23,45 +23,24 @@ from shoal.models import DirEntry, ExecResult
 if TYPE_CHECKING:
     from shoal.agentproto.client import AgentClient
     from shoal.agentproto.relay import PortStream, WatchStream
-    from shoal.config import NodeConfig
-    from shoal.node.events import EventLog
+    from shoal.node.core import NodeCore
     from shoal.records import SandboxRecord
 
 
 class DataPlane:
     """exec / stream / files / shells of a node's sandboxes."""
 
-    config: NodeConfig
-    events: EventLog
+    #: the node's internals (shoal.node.core.NodeCore): records, agent connections, events
+    core: NodeCore
     #: image digest -> the shell its string commands run with (see shell_of)
     _image_shells: dict[str, str]
 
-    def check_oom(self, rec: SandboxRecord, *, cmd: str | list[str] | None = None,
-                  when: str = "") -> int:  # pragma: no cover - provided by Node
-        """Log new OOM kills of the sandbox."""
-        raise NotImplementedError
-
     def _log_command(self, rec: SandboxRecord, cmd: str | list[str], r: ExecResult, t0: float, via: str) -> None:
         # one line in the command log; a command killed by SIGKILL may have been the OOM killer's victim
-        self.events.command(rec.id, rec.project, cmd, exit_code=r.exit_code, duration_s=time.perf_counter() - t0,
-                            timed_out=r.timed_out, via=via, signal=r.signal)
+        self.core.events.command(rec.id, rec.project, cmd, exit_code=r.exit_code,
+                                 duration_s=time.perf_counter() - t0, timed_out=r.timed_out, via=via, signal=r.signal)
         if r.signal == 9 or r.exit_code == 137:
-            self.check_oom(rec, cmd=cmd, when=f"{via} killed by SIGKILL")
-
-    async def after_command(self, rec: SandboxRecord) -> None:  # pragma: no cover - provided by Node
-        """A command of the sandbox finished."""
-
-    def record(self, sandbox_id: str) -> SandboxRecord:  # pragma: no cover - provided by Node
-        """The sandbox's record."""
-        raise NotImplementedError
-
-    async def client(self, sandbox_id: str, rec: SandboxRecord | None = None) -> AgentClient:  # pragma: no cover
-        """A live connection to the sandbox's agent."""
-        raise NotImplementedError
-
-    async def call(self, rec: SandboxRecord, fn: Callable[[AgentClient], Any]) -> Any:  # pragma: no cover
-        """Run `fn(client)` against the sandbox's agent."""
-        raise NotImplementedError
+            self.core.check_oom(rec, cmd=cmd, when=f"{via} killed by SIGKILL")
 
     # ---- commands -------------------------------------------------------------------------------
     async def shell_of(self, rec: SandboxRecord) -> str:
@@ -69,7 +48,7 @@ class DataPlane:
         /bin/sh (busybox, alpine), decided once per image on this node by asking the agent (lstat inside
         the sandbox, so symlinked /bin of merged-usr images resolves as the image has it). The node
         setting `sh` forces /bin/sh. NoShell when the image has neither."""
-        if self.config.posix_sh:
+        if self.core.config.posix_sh:
             return "/bin/sh"
         cache = self._image_shells
         key = rec.image_digest or rec.image
@@ -81,14 +60,10 @@ class DataPlane:
             cache[key] = shell
         return shell
 
-    def backend(self, name: str) -> Any:  # pragma: no cover - provided by Node
-        """The node's backend of this name."""
-        raise NotImplementedError
-
     async def _probe_shell(self, rec: SandboxRecord) -> str:
         from shoal.errors import FileNotFound, NoShell
 
-        fixed = getattr(self.backend(rec.backend), "string_shell", None)
+        fixed = getattr(self.core.backend(rec.backend), "string_shell", None)
         if fixed is not None:  # a backend whose commands do not run in the image (the fake one)
             return str(fixed(rec))
         for shell in ("/bin/bash", "/bin/sh"):
@@ -96,7 +71,7 @@ class DataPlane:
                 return c.stat(path)
 
             try:
-                await self.call(rec, look)
+                await self.core.call(rec, look)
                 return shell
             except FileNotFound:
                 continue
@@ -111,17 +86,17 @@ class DataPlane:
                    stdin: bytes | None = None, max_output: int | None = None) -> ExecResult:
         """Run a command to completion in the sandbox."""
         _argv(cmd, "/bin/sh")  # a bad command fails before the record is read
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         argv = _argv(cmd, await self.shell_of(rec) if isinstance(cmd, str) else "")
         cwd, user = _exec_defaults(rec, cwd, user)
         cap = _output_cap(rec, max_output)
         check_env(env)
         check_timeout(timeout)
         t0 = time.perf_counter()
-        r: ExecResult = await self.call(rec, lambda c: c.exec(
+        r: ExecResult = await self.core.call(rec, lambda c: c.exec(
             argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap, stdin=stdin))
         self._log_command(rec, cmd, r, t0, "exec")
-        await self.after_command(rec)
+        await self.core.after_command(rec)
         return r
 
     async def stream(self, sandbox_id: str, cmd: str | list[str], *, timeout: float | None = DEFAULT_EXEC_TIMEOUT_S,
@@ -130,45 +105,45 @@ class DataPlane:
         """Start a command and return its stream handle (async iterator of StreamEvent). `max_output` caps
         each output stream (bytes, 0 = no cap; default: the sandbox's `max_output_bytes`)."""
         _argv(cmd, "/bin/sh")
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         argv = _argv(cmd, await self.shell_of(rec) if isinstance(cmd, str) else "")
         cwd, user = _exec_defaults(rec, cwd, user)
         check_env(env)
         check_timeout(timeout)
-        c = await self.client(sandbox_id, rec)
+        c = await self.core.client(sandbox_id, rec)
         # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
         cap = int(rec.spec.max_output_bytes) if max_output is None else max_output
         t0 = time.perf_counter()
         h = await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
                                 tty=tty, stdin=stdin)
-        if not self.events.commands_enabled:
+        if not self.core.events.commands_enabled:
             return h
         return LoggedStream(h, lambda r: self._log_command(rec, cmd, r, t0, "tty" if tty else "stream"))
 
     # ---- files ----------------------------------------------------------------------------------
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         """Read a whole file from the sandbox (relative paths start at the sandbox's workdir)."""
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         path = _abspath(rec, path)
-        return await self.call(rec, lambda c: c.read_file(path, limit=self.config.max_file_bytes))
+        return await self.core.call(rec, lambda c: c.read_file(path, limit=self.core.config.max_file_bytes))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write a file in the sandbox (atomically; parent directories are created)."""
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         path = _abspath(rec, path)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest("data must be bytes")
-        if len(data) > self.config.max_file_bytes:
-            raise InvalidRequest(f"file too large ({len(data)} bytes > {self.config.max_file_bytes})")
-        await self.call(rec, lambda c: c.write_file(path, bytes(data), mode=mode))
+        if len(data) > self.core.config.max_file_bytes:
+            raise InvalidRequest(f"file too large ({len(data)} bytes > {self.core.config.max_file_bytes})")
+        await self.core.call(rec, lambda c: c.write_file(path, bytes(data), mode=mode))
 
     async def write_file_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes],
                                 mode: int = 0o644) -> None:
         """Write a file in the sandbox from chunks as they come (atomically; parent directories are created):
         the node holds one chunk at a time. More than the node's largest file is refused (InvalidRequest)."""
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         path = _abspath(rec, path)
-        cap = self.config.max_file_bytes
+        cap = self.core.config.max_file_bytes
 
         async def bounded() -> AsyncIterator[bytes]:
             total = 0
@@ -178,27 +153,27 @@ class DataPlane:
                     raise InvalidRequest(f"file too large (more than {cap} bytes)")
                 yield chunk
 
-        await self.call(rec, lambda c: c.write_file_stream(path, bounded(), mode=mode))
+        await self.core.call(rec, lambda c: c.write_file_stream(path, bounded(), mode=mode))
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[DirEntry]:
         """List a directory in the sandbox."""
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         path = _abspath(rec, path)
-        return await self.call(rec, lambda c: c.list_dir(path))
+        return await self.core.call(rec, lambda c: c.list_dir(path))
 
     # ---- shells ---------------------------------------------------------------------------------
     async def shell_open(self, sandbox_id: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
                          user: str | None = None) -> str:
         """Start a persistent bash session in the sandbox; returns its id."""
-        rec = self.record(sandbox_id)
-        if not self.config.posix_sh and await self.shell_of(rec) != "/bin/bash":
+        rec = self.core.record(sandbox_id)
+        if not self.core.config.posix_sh and await self.shell_of(rec) != "/bin/bash":
             from shoal.errors import NoShell
 
             raise NoShell(f"persistent shells run bash, and image {rec.image} has only /bin/sh: use exec() or "
                           "stream() (string commands run with /bin/sh there)", image=rec.image)
         cwd, user = _exec_defaults(rec, cwd, user)
         check_env(env)
-        return await self.call(rec, lambda c: c.shell_open(cwd=cwd, env=env, user=user))
+        return await self.core.call(rec, lambda c: c.shell_open(cwd=cwd, env=env, user=user))
 
     async def shell_run(self, sandbox_id: str, shell_id: str, cmd: str, *,
                         timeout: float | None = DEFAULT_EXEC_TIMEOUT_S, max_output: int | None = None) -> ExecResult:
@@ -206,17 +181,17 @@ class DataPlane:
         if not isinstance(cmd, str):
             raise InvalidRequest("shell commands are strings")
         check_timeout(timeout)
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         cap = _output_cap(rec, max_output)
         t0 = time.perf_counter()
-        r: ExecResult = await self.call(rec, lambda c: c.shell_run(shell_id, cmd, timeout=timeout, max_output=cap))
+        r: ExecResult = await self.core.call(rec, lambda c: c.shell_run(shell_id, cmd, timeout=timeout, max_output=cap))
         self._log_command(rec, cmd, r, t0, "shell")
         return r
 
     async def shell_close(self, sandbox_id: str, shell_id: str) -> None:
         """End a shell session and its processes."""
-        rec = self.record(sandbox_id)
-        await self.call(rec, lambda c: c.shell_close(shell_id))
+        rec = self.core.record(sandbox_id)
+        await self.core.call(rec, lambda c: c.shell_close(shell_id))
 
     # ---- ports and watches ----------------------------------------------------------------------
     async def open_port(self, sandbox_id: str, port: int, *, timeout: float | None = 10.0) -> PortStream:
@@ -224,14 +199,14 @@ class DataPlane:
         for sandboxes without a network, and VMs). Nothing listening → PortNotOpen."""
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise InvalidRequest(f"port must be an integer between 1 and 65535, not {port!r}")
-        rec = self.record(sandbox_id)
-        return await self.call(rec, lambda c: c.tcp_connect(port, timeout=timeout))
+        rec = self.core.record(sandbox_id)
+        return await self.core.call(rec, lambda c: c.tcp_connect(port, timeout=timeout))
 
     async def watch(self, sandbox_id: str, path: str, *, recursive: bool = False) -> WatchStream:
         """inotify events of a directory in the sandbox (relative paths start at its workdir)."""
-        rec = self.record(sandbox_id)
+        rec = self.core.record(sandbox_id)
         path = _abspath(rec, path)
-        return await self.call(rec, lambda c: c.watch(path, recursive=recursive))
+        return await self.core.call(rec, lambda c: c.watch(path, recursive=recursive))
 
 
 class LoggedStream:

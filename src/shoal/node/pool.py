@@ -4,7 +4,7 @@ A pool hit costs a record update instead of a container start (well under a mill
 ~10-15 ms), so a burst smaller than the pool is ready at once. It does not make creating cheaper: each
 hit is refilled in the background by an ordinary create, which competes for the same CPUs (the
 sustained create rate with a pool is the cold rate). Like kubernetes-sigs/agent-sandbox's
-SandboxWarmPool; off unless configured (`Node.set_warm_pool`, or SHOAL_WARM_POOL="base=16,img2=4").
+SandboxWarmPool; off unless configured (`Node.pool.configure`, or SHOAL_WARM_POOL="base=16,img2=4").
 
 Pooled sandboxes are ordinary sandboxes whose record carries `extra["pool"]` (their key) and no TTL;
 they are hidden from `Node.list`, owned by the node process that made them, closed when it stops, and

@@ -1,10 +1,11 @@
 """What each of the node's parts needs of the node: small protocols, so no part holds (or imports) `Node`.
 
-`Recovery`, `WarmPool`, `NodeScheduling` and the snapshot functions are each given the node as one of
-these protocols; `Node` implements all of them. A part sees only the doors it names here, and no module
-in shoal.node imports shoal.node.node except the node's users outside the package (CLI, SDK, server,
-teardown) — tests/unit/test_architecture.py checks that the package has no import circle, not even one
-closed by `TYPE_CHECKING` imports.
+`Recovery`, `WarmPool`, `NodeScheduling` and the snapshot functions are each given the node's internals
+(`shoal.node.core.NodeCore`, which implements all of these) as one of these protocols — never the `Node`,
+whose methods are its users' API. A part sees only the doors it names here, and no module in shoal.node
+imports shoal.node.node except teardown (which drives a whole node) — tests/unit/test_architecture.py checks
+that the package has no import circle, not even one closed by `TYPE_CHECKING` imports, and
+tests/unit/test_node_surface.py that the parts are given the core.
 
 This module imports only the node's leaf parts (admission, events, state locks), never a part that is
 given one of these protocols.
@@ -12,13 +13,11 @@ given one of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from shoal.backends.base import Backend
     from shoal.config import NodeConfig, Paths
-    from shoal.errors import ShoalError
     from shoal.images.mounts import LayerMounts
     from shoal.images.store import Image, ImageStore
     from shoal.models import SandboxInfo
@@ -113,9 +112,3 @@ class SnapshotHost(NodeBasics, Protocol):
 
     @property
     def locks(self) -> SandboxLocks: ...
-
-    async def create_many(self, spec: SandboxSpec, n: int, concurrency: int | None = None,
-                          on_done: Callable[[SandboxInfo | ShoalError], None] | None = None, *,
-                          all_or_nothing: bool = False) -> list[SandboxInfo | ShoalError]:
-        """Create n sandboxes of one spec (a fork's children)."""
-        ...

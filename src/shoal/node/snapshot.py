@@ -35,7 +35,6 @@ from shoal.images.erofs import build_erofs
 from shoal.images.pack import check_layer_budget, footprint, pack_upper, upper_is_empty
 from shoal.images.refs import parse_ref
 from shoal.images.store import ImageConfig, ImageStore, Layer
-from shoal.models import SandboxInfo
 from shoal.spec import SandboxSpec
 
 if TYPE_CHECKING:
@@ -223,15 +222,14 @@ def fork_image_name(sandbox_id: str) -> str:
     return f"{fork_image_prefix(sandbox_id)}:{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-async def fork_sandbox(node: SnapshotHost, sandbox_id: str, n: int, *, name: str | None = None,
-                       store_budget: int | None = None, **overrides: Any) -> list[SandboxInfo | ShoalError]:
-    """`n` independent children from the sandbox's files; per-item errors like create_many.
+async def fork_snapshot(node: SnapshotHost, sandbox_id: str, *, name: str | None = None,
+                        store_budget: int | None = None, **overrides: Any) -> SandboxSpec:
+    """The first half of a fork from files: snapshot the sandbox and return its children's spec (the
+    node then creates them with create_many, per-item errors and all).
 
     `name` tags the intermediate snapshot (default `forks/<id>:<time>-<rand>`); `overrides` change the
     children's spec (cpus, memory_mb, ttl_s, labels, ...); `store_budget` bounds the snapshot's layer.
     """
-    if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
-        raise InvalidRequest(f"n={n!r} must be an integer between 1 and {MAX_FORK}")
     rec = node.record(sandbox_id)
     node.backend(rec.backend).require(Capability.SNAPSHOT_FILES)
     _child_spec(rec, "x", overrides)  # reject bad options before the snapshot is made
@@ -240,8 +238,7 @@ async def fork_sandbox(node: SnapshotHost, sandbox_id: str, n: int, *, name: str
         rec.extra["forked"] = True
         rec.save()
     snap = await snapshot_sandbox(node, sandbox_id, name or fork_image_name(sandbox_id), store_budget=store_budget)
-    spec = _child_spec(rec, snap["ref"], overrides)
-    return await node.create_many(spec, n)
+    return _child_spec(rec, snap["ref"], overrides)
 
 
 def drop_fork_snapshots(store: ImageStore, rec: SandboxRecord) -> None:

@@ -94,7 +94,7 @@ async def docker_sequential(ctx: BenchContext, n: int, budget_s: float) -> Timed
 async def pool_hits(ctx: BenchContext, size: int) -> tuple[Timed, dict[str, Any]]:
     """Sequential creates served by a warm pool of `size` (refilled in the background as they are taken)."""
     node = ctx.node
-    node.set_warm_pool(spec(ctx), size)
+    node.pool.configure(spec(ctx), size)
     t0 = time.perf_counter()
     with ctx.task(f"shoal: filling a warm pool of {size}", None):
         await node.pool.wait_full()
@@ -118,12 +118,12 @@ async def pool_hits(ctx: BenchContext, size: int) -> tuple[Timed, dict[str, Any]
 async def sustained_with_pool(ctx: BenchContext, concurrency: int, duration: float, size: int) -> dict[str, Any]:
     """The sustained loop with a warm pool on: every hit is refilled by a cold create in the background."""
     node = ctx.node
-    node.set_warm_pool(spec(ctx), size)
+    node.pool.configure(spec(ctx), size)
     await node.pool.wait_full()
     hits0 = node.pool.hits
     t, _ = await sustained(ctx, concurrency, duration)
     hits = node.pool.hits - hits0
-    node.set_warm_pool(spec(ctx), 0)
+    node.pool.configure(spec(ctx), 0)
     await node.pool.close()
     return {"concurrency": concurrency, "pool_size": size, "seconds": duration, "created": len(t.items),
             "rate_per_s": round(t.rate(), 1), "pool_hits": hits, "latency": latency_summary(t.latencies)}
@@ -240,7 +240,7 @@ async def run(ctx: BenchContext, sz: CreateParams) -> ScenarioResult:
 
     # the same sequential creates served by a warm pool (refilled in the background)
     ph, pstats = await pool_hits(ctx, sz.pool_size)
-    ctx.node.set_warm_pool(spec(ctx), 0)
+    ctx.node.pool.configure(spec(ctx), 0)
     await ctx.node.pool.close()
     d["pool"] = {"shoal": latency_summary(ph.latencies), **pstats,
                  "shoal_ms": [round(x * 1000, 3) for x in ph.latencies]}
