@@ -32,7 +32,7 @@ STOP_WAIT_S = 30.0
 
 
 class Recovery:
-    """Reconcile, adopt and reap the sandboxes of one node (through the node's public API)."""
+    """Reconcile, adopt and reap the sandboxes of one node (through the node's core, as a RecoveryHost)."""
 
     def __init__(self, node: RecoveryHost) -> None:
         self.node = node

@@ -74,7 +74,7 @@ def _meminfo_mb() -> tuple[int, int]:
 
 
 class NodeScheduling:
-    """See the module docstring. One per Node (`node.scheduling`)."""
+    """See the module docstring. One per node, made by its core (`node.scheduling`)."""
 
     def __init__(self, node: SchedulingHost, s: Settings | None = None) -> None:
         s = s or node.config.settings

@@ -6,7 +6,8 @@ with its lineage (parent image, sandbox, node, time) in the manifest. Nothing is
 layers are shared by reference, and the new layer holds only what the sandbox changed (deleted files
 are whiteouts). The image lives in the store, so any host that sees the store can create from it.
 
-`fork(n)` is a snapshot followed by `create_many(snapshot, n)`: the children start from the parent's
+`fork(n)` is a snapshot (`fork_snapshot`, which returns the children's spec) followed by the node's
+`create_many(spec, n)`: the children start from the parent's
 *files*; processes and memory are not carried over (see docs/stateful.md for which backend forks what).
 The parent keeps running. Both work on every backend with `Capability.SNAPSHOT_FILES` (a writable layer
 on the host, `backend.upper_dir`); memory snapshots and forks are the backend's own
