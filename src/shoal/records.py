@@ -87,7 +87,8 @@ class SandboxRecord:
     image: str
     image_digest: str
     layers: list[str]  # layer hexes, bottom first
-    spec: dict[str, Any]
+    #: the spec it was made with (record.json holds its JSON form; SandboxRecord.load reads older forms too)
+    spec: SandboxSpec
     dir: str
     state: str = "creating"
     runtime: str = ""
@@ -109,28 +110,13 @@ class SandboxRecord:
         """The sandbox directory."""
         return Path(self.dir)
 
-    @property
-    def typed_spec(self) -> SandboxSpec:
-        """The sandbox's spec as the typed shoal.spec.SandboxSpec (`spec` is its plain form, as saved). Read
-        fields here, not with `spec.get(...)`. Built without validating again (the spec was checked when the
-        sandbox was made; keys this version does not know are left out) and cached until `spec` is replaced
-        (assign a new dict to change it, never edit it in place)."""
-        cached = self.__dict__.get("_typed_spec")
-        if cached is not None and cached[0] is self.spec:
-            return cached[1]  # type: ignore[no-any-return]
-        from shoal.spec import SandboxSpec
-
-        known = SandboxSpec.model_fields
-        typed = SandboxSpec.model_construct(**{k: v for k, v in self.spec.items() if k in known})
-        self.__dict__["_typed_spec"] = (self.spec, typed)
-        return typed
-
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON-able data (shallow copies of its dicts and lists)."""
-        out = {}
+        out: dict[str, Any] = {}
         for name in _FIELDS:
             v = getattr(self, name)
             out[name] = v.copy() if isinstance(v, (dict, list)) else v
+        out["spec"] = _spec_json(self.spec)  # (its JSON form: fresh dicts and lists)
         return out
 
     def save(self) -> None:
@@ -168,33 +154,68 @@ class SandboxRecord:
 
     @classmethod
     def load(cls, sandbox_dir: Path) -> SandboxRecord:
-        """Read a record; SandboxNotFound if absent or unreadable."""
+        """Read a record; SandboxNotFound if absent or unreadable. Its spec is read with
+        `SandboxSpec.from_wire`, so a record.json of an earlier release (fields it lacked, fields since
+        removed) loads too."""
         path = os.path.join(sandbox_dir, "record.json")
         try:
             st = os.stat(path)
             key = (st.st_ino, st.st_mtime_ns, st.st_size)
             hit = _parsed.get(path)
             if hit is not None and hit[0] == key:
-                data = hit[1]
+                data, spec = hit[1], hit[2]
             else:
                 data = read_json(Path(path))
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+                from shoal.spec import SandboxSpec
+
+                stored = data.pop("spec", None)
+                spec = SandboxSpec.from_wire(stored if isinstance(stored, dict) else {})
                 if len(_parsed) > 200_000:
                     _parsed.clear()
-                _parsed[path] = (key, data)
+                _parsed[path] = (key, data, spec)
         except (FileNotFoundError, NotADirectoryError):
             _parsed.pop(path, None)
             raise SandboxNotFound(f"no sandbox {sandbox_dir.name!r}") from None
         except ValueError as e:
             raise SandboxNotFound(f"sandbox {sandbox_dir.name!r} has a corrupt record: {e}") from None
-        return cls(**{k: _copy(v) if type(v) in (dict, list) else v for k, v in data.items() if k in _FIELD_SET})
+        return cls(**{k: _copy(v) if type(v) in (dict, list) else v for k, v in data.items() if k in _FIELD_SET},
+                   spec=spec_copy(spec))
 
 
-_FIELDS = tuple(f.name for f in fields(SandboxRecord))
+_FIELDS = tuple(f.name for f in fields(SandboxRecord) if f.name != "spec")  # (the spec is read and written apart)
 _FIELD_SET = frozenset(_FIELDS)
 # Parsed records by path, keyed by (inode, mtime, size): a save replaces the file (new inode), so an
 # unchanged key means unchanged content. The reaper reads every record every few seconds; with thousands
 # of sandboxes a stat instead of open+read+parse each time matters.
-_parsed: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+_parsed: dict[str, tuple[tuple[int, int, int], dict[str, Any], SandboxSpec]] = {}
+
+
+def spec_copy(spec: SandboxSpec) -> SandboxSpec:
+    """A copy of a spec whose dicts and lists are its own, for a record to keep (a caller may change its
+    spec, or a loaded record's, later): no validation, a tenth of what building it from its JSON costs."""
+    c = spec.model_copy()
+    d = c.__dict__
+    for name in _SPEC_CONTAINERS:
+        v = d[name]
+        if type(v) in (dict, list):
+            d[name] = v.copy()
+    return c
+
+
+def _spec_json(spec: SandboxSpec) -> dict[str, Any]:
+    # what model_dump() gives for this flat model, in a fraction of its time (a record is saved twice per create)
+    d = dict(spec.__dict__)
+    for name in _SPEC_CONTAINERS:
+        v = d[name]
+        if type(v) in (dict, list):
+            d[name] = v.copy()
+    return d
+
+
+#: the spec's fields that may hold a dict or a list (JSON data: one level deep; test_records checks the list)
+_SPEC_CONTAINERS = ("env", "labels", "network", "egress_grants")
 
 
 def cached_records() -> int:

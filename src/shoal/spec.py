@@ -11,7 +11,9 @@ paths (`import shoal`, the CLI) import it only when they build a spec (`shoal.Sa
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import (
@@ -193,14 +195,41 @@ class SandboxSpec(BaseModel):
         return cls(image=image, **options)
 
     @classmethod
-    def from_record(cls, spec: dict[str, Any], **changes: Any) -> SandboxSpec:
-        """A spec from a sandbox record's `spec` (keys this version does not know are left out)."""
+    def from_record(cls, stored: Mapping[str, Any], **changes: Any) -> SandboxSpec:
+        """A new spec, validated, from the JSON form of a stored one (a VM snapshot's) with `changes` applied;
+        keys this version does not know are left out."""
         known = cls.model_fields
-        return cls(**{**{k: v for k, v in spec.items() if k in known}, **changes})
+        return cls(**{**{k: v for k, v in stored.items() if k in known}, **changes})
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SandboxSpec:
+        """The one way in for a spec as JSON written by another shoal process or release: a sandbox's
+        record.json, the cluster wire (agent ↔ gateway ↔ transport index), a SandboxInfo's `spec`. It is not
+        validated again (it was when its sandbox was made): keys it lacks (a record from an older release, a
+        partial index entry) take their defaults, and keys this version does not know (a field an earlier
+        release had, a record from a newer one after a downgrade) are left out with one warning per new set
+        of them — reconcile and adoption of live sandboxes never fail on them."""
+        known = cls.model_fields
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            _warn_unknown(unknown)
+            data = {k: v for k, v in data.items() if k in known}
+        return cls.model_construct(**data)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (fresh dicts: changing it never changes the spec)."""
         return self.model_dump()
+
+
+log = logging.getLogger(__name__)
+_warned_unknown: set[frozenset[str]] = set()
+
+
+def _warn_unknown(keys: list[str]) -> None:
+    key = frozenset(keys)
+    if key not in _warned_unknown and len(_warned_unknown) < 64:
+        _warned_unknown.add(key)
+        log.warning("sandbox spec keys this version does not know are ignored: %s", ", ".join(sorted(key)))
 
 
 def spec_error(e: ValidationError) -> InvalidRequest:

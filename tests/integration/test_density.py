@@ -166,7 +166,7 @@ async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Clien
         await client.create("base", cpu_class="urgent")
     inter = await client.create("base")  # the documented default
     batch = await client.create("base", cpu_class="batch", cpus=0.5)
-    assert node.record(inter.id).spec["cpu_class"] == "interactive"
+    assert node.record(inter.id).spec.cpu_class == "interactive"
     v2 = cgroups.cgroup_mode() == "v2"
     agent = node.record(batch.id).init_pid
     await batch.exec("sleep 1000 >/dev/null 2>&1 &")

@@ -18,6 +18,7 @@ from shoal.records import SandboxRecord, new_sandbox_id
 from shoal.server.app import create_app
 from shoal.server.settings import ServerSettings
 from shoal.server.tokens import TokenStore
+from shoal.spec import SandboxSpec
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def _fake_record(node: Node, project: str) -> str:
     d = node.paths.sandboxes / sid
     d.mkdir(parents=True)
     SandboxRecord(id=sid, backend="container", image="base:latest", image_digest="sha256:" + "0" * 64, layers=[],
-                  spec={"cpus": 1.0, "memory_mb": 64, "project": project}, dir=str(d), state="running",
+                  spec=SandboxSpec(cpus=1.0, memory_mb=64, project=project), dir=str(d), state="running",
                   project=project).save()
     return sid
 

@@ -15,6 +15,7 @@ from shoal.errors import InvalidRequest, QuotaExceeded
 from shoal.records import SandboxRecord, new_sandbox_id
 from shoal.server.quotas import QuotaTracker
 from shoal.server.tokens import Principal, Quota, TokenNotFound, TokenStore
+from shoal.spec import SandboxSpec
 
 
 def test_token_is_shown_once_and_stored_hashed(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ def _record(d: Path, project: str, cpus: float, mem: int, state: str = "running"
     sid = new_sandbox_id("t0")
     (d / sid).mkdir()
     rec = SandboxRecord(id=sid, backend="container", image="base:latest", image_digest="sha256:" + "0" * 64,
-                        layers=[], spec={"cpus": cpus, "memory_mb": mem, "project": project}, dir=str(d / sid),
+                        layers=[], spec=SandboxSpec(cpus=cpus, memory_mb=mem, project=project), dir=str(d / sid),
                         state=state, project=project, owner_pid=1)
     rec.save()
     return sid

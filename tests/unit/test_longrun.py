@@ -452,7 +452,7 @@ async def test_periodic_passes_read_snapshots_while_creates_and_closes_change_th
 
     def rec(i: int) -> SandboxRecord:
         return SandboxRecord(id=f"n0-churn{i:06d}", backend="fake", image="t:1", image_digest="", layers=[],
-                             spec={"memory_mb": 64, "cpus": 1.0}, dir=str(node.paths.sandboxes / f"churn{i}"))
+                             spec=SandboxSpec(memory_mb=64, cpus=1.0), dir=str(node.paths.sandboxes / f"churn{i}"))
 
     sch.start()
     node.connections.idle_s = 0.001
@@ -491,7 +491,8 @@ def test_records_of_closed_sandboxes_leave_the_parse_cache(tmp_path: Path) -> No
 
     d = tmp_path / "n0-x"
     d.mkdir()
-    r = SandboxRecord(id="n0-x", backend="fake", image="t:1", image_digest="", layers=[], spec={}, dir=str(d))
+    r = SandboxRecord(id="n0-x", backend="fake", image="t:1", image_digest="", layers=[], spec=SandboxSpec(),
+                      dir=str(d))
     r.save()
     SandboxRecord.load(d)
     key = os.path.join(d, "record.json")

@@ -3,6 +3,7 @@ TTL reaping, admission, crash recovery and adoption, pause/resume, capability ro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -167,8 +168,8 @@ async def test_reconcile_adopts_live_sandboxes_after_a_crash(fake_home: Path) ->
     await async_wait_for(lambda: not first.record(doomed.id).init_alive(), what="the killed init to be gone")
     # a half-made sandbox of an owner that is gone
     rec = first.record(live.id)
-    ghost = SandboxRecord(**{**rec.to_dict(), "id": rec.id[:-4] + "zzzz", "dir": str(rec.path)[:-4] + "zzzz",
-                             "state": "creating", "owner_pid": 1, "owner_start": 1, "init_pid": 0, "extra": {}})
+    ghost = dataclasses.replace(rec, id=rec.id[:-4] + "zzzz", dir=str(rec.path)[:-4] + "zzzz", state="creating",
+                                owner_pid=1, owner_start=1, init_pid=0, extra={})
     ghost.path.mkdir()
     ghost.save()
     second = Node(fake_config(fake_home))

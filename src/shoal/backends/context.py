@@ -175,7 +175,7 @@ class NodeContext(Protocol):
         ...
 
     def new_record(self, *, backend: str, image: str, image_digest: str, layers: list[str],
-                   spec: dict[str, Any], extra: dict[str, Any], make_dir: Callable[[Path], None] | None = None,
+                   spec: SandboxSpec, extra: dict[str, Any], make_dir: Callable[[Path], None] | None = None,
                    runtime: str = "", project: str | None = None, labels: dict[str, str] | None = None,
                    ) -> SandboxRecord:
         """A record (not saved yet) for a new sandbox of this node, its directory made, this process its owner."""

@@ -230,7 +230,7 @@ class FirecrackerBackend(Backend):
     async def pause(self, rec: SandboxRecord) -> None:
         """Inflate the balloon, then pause the vCPUs."""
         api = _Api(self._files(rec.path)["api"])
-        mem = int(rec.typed_spec.memory_mb)
+        mem = int(rec.spec.memory_mb)
         with contextlib.suppress(SandboxError):
             await api.call("PATCH", "/balloon", {"amount_mib": max(0, mem - max(64, mem // 8))})
         await api.call("PATCH", "/vm", {"state": "Paused"})

@@ -521,7 +521,7 @@ async def _save(rec: SandboxRecord, dest: Path, s: Settings) -> dict[str, Any]:
 
 def _snapshot_meta(rec: SandboxRecord, name: str, saved: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "kind": "vm-memory", "backend": rec.backend, "parent": rec.id, "image": rec.image,
-            "image_digest": rec.image_digest, "layers": rec.layers, "spec": rec.spec, "project": rec.project,
+            "image_digest": rec.image_digest, "layers": rec.layers, "spec": rec.spec.to_dict(), "project": rec.project,
             "labels": rec.labels, "extra": rec.extra, "created": time.time(), **saved}
 
 
@@ -595,7 +595,7 @@ async def _restore_one(ctx: NodeContext, snap: Path, meta: dict[str, Any]) -> Sa
         extra.pop("boot_phases_s", None)
         extra.update(forked_from=meta["parent"], snapshot=meta["name"])
         rec = ctx.new_record(backend=meta["backend"], image=meta["image"], image_digest=meta["image_digest"],
-                             layers=list(meta["layers"]), spec=dict(meta["spec"]), extra=extra,
+                             layers=list(meta["layers"]), spec=spec, extra=extra,
                              runtime=f"qemu-{backend.machine}", project=meta.get("project", "default"),
                              labels=dict(meta.get("labels") or {}))
         d = rec.path

@@ -306,11 +306,11 @@ class NodeAgent:
 
     async def usage(self) -> list[tuple[str, str, float, int, str, dict[str, Any]]]:
         """(id, project, cpus, memory_mb, state, spec) of every sandbox here: cluster-wide quotas and the
-        gateway's knowledge of who owns what."""
+        gateway's knowledge of who owns what (the spec as JSON: `SandboxSpec.from_wire` reads it)."""
         await self.ensure_started()
         from shoal.records import list_records
 
-        return [(r.id, r.project, float(r.spec.get("cpus", 0)), int(r.spec.get("memory_mb", 0)), r.state, r.spec)
+        return [(r.id, r.project, float(r.spec.cpus), int(r.spec.memory_mb), r.state, r.spec.to_dict())
                 for r in list_records(self._node().paths.sandboxes) if not r.extra.get("pool")]
 
     async def call(self, op: str, sandbox_id: str, args: tuple[Any, ...] = (),
@@ -376,10 +376,16 @@ class NodeAgent:
 
 
 def _index_entry(info: SandboxInfo) -> dict[str, Any]:
-    spec = info.spec or {}
+    from shoal.spec import SandboxSpec
+
+    spec = SandboxSpec.from_wire(info.spec)
     return {"id": info.id, "image": info.image, "backend": info.backend, "created_at": info.created_at,
             "labels": info.labels, "node": info.node, "expires_at": info.expires_at,
-            "spec": {k: spec.get(k) for k in ("cpus", "memory_mb", "project", "image", "backend") if k in spec}}
+            "spec": {k: getattr(spec, k) for k in _INDEX_SPEC}}
+
+
+#: what a node's index in the KV keeps of each sandbox's spec (a lost node's sandboxes are listed from it)
+_INDEX_SPEC = ("cpus", "memory_mb", "project", "image", "backend")
 
 
 def cluster_addresses() -> list[str]:

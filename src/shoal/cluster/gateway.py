@@ -22,7 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from shoal.cluster.transport import ClusterTransport
@@ -53,7 +53,7 @@ class SandboxOwner:
 
     id: str
     project: str
-    spec: dict[str, Any] = field(default_factory=dict)
+    spec: SandboxSpec
     state: str = "running"
 
 
@@ -129,7 +129,7 @@ class ClusterFront(StoreImages):
                 if state in ("stopped", "stopping"):
                     continue
                 entries.append((sid, project, cpus, mem))
-                self._remember(SandboxOwner(sid, project, spec, state))
+                self._remember(SandboxOwner(sid, project, SandboxSpec.from_wire(spec), state))
         self._usage = (taken, entries)
 
     async def _usage_of(self, node_id: str) -> list[tuple[Any, ...]]:
@@ -154,8 +154,8 @@ class ClusterFront(StoreImages):
             self._owners.popitem(last=False)
 
     def _remember_info(self, info: SandboxInfo) -> None:
-        spec = dict(info.spec or {})
-        self._remember(SandboxOwner(info.id, str(spec.get("project", "default")), spec, info.state))
+        spec = SandboxSpec.from_wire(info.spec)
+        self._remember(SandboxOwner(info.id, spec.project, spec, info.state))
 
     def record(self, sandbox_id: str) -> SandboxOwner:
         """The owner of a sandbox this gateway knows of (SandboxNotFound otherwise: use record_async)."""

@@ -470,6 +470,8 @@ class ClusterTransport(Transport):
     async def list_all(self, labels: dict[str, str] | None = None, project: str | None = None
                        ) -> builtins.list[SandboxInfo]:
         """Every sandbox of the cluster (of one project), those of nodes that are gone as `lost`."""
+        from shoal.spec import SandboxSpec as Spec  # (the module's SandboxSpec is shoal.models' lazy name)
+
         await self.start()
         names = await asyncio.to_thread(agent_names)
         nids = [n[len("shoal-node-"):] for n in names]
@@ -489,7 +491,7 @@ class ClusterTransport(Transport):
             for i in await self._lost_infos(nid):
                 if labels and any(i.labels.get(k) != v for k, v in labels.items()):
                     continue
-                if project is not None and i.spec.get("project", "default") != project:
+                if project is not None and Spec.from_wire(i.spec).project != project:
                     continue
                 out.append(i)
         out.sort(key=lambda i: i.created_at)

@@ -1337,7 +1337,7 @@ class DockerBuild:
                                             [d.split(":", 1)[1] for d in layers], self.node)
                 if await asyncio.to_thread(upper_is_empty, Path(upper), bool(network)):
                     return None
-                disk_mb = int(rec.typed_spec.disk_mb or 4096)
+                disk_mb = int(rec.spec.disk_mb or 4096)
                 layer = await asyncio.to_thread(
                     lambda: pack_upper(self.store, Path(upper), source, clean=True, network=bool(network),
                                        max_bytes=disk_mb << 20, what=f"`{text[:80]}`",

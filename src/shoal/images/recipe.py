@@ -580,7 +580,7 @@ async def _build_step(node: Node, recipe: Recipe, i: int, step: Run | Copy, laye
             return None
         source = {"type": "recipe-step", "image": recipe.ref, "step": i, "desc": step.describe()[:500]}
         # a step's layer holds no more than the step's sandbox could store (sparse files count their holes)
-        disk_mb = int(rec.typed_spec.disk_mb or 4096)
+        disk_mb = int(rec.spec.disk_mb or 4096)
         layer = await asyncio.to_thread(
             lambda: pack_upper(store, Path(upper), source, clean=True, network=network, max_bytes=disk_mb << 20,
                                what=f"step {i} of {recipe.ref}", why=f"the build's disk_mb={disk_mb}"))

@@ -166,11 +166,9 @@ class ShoalEnvironment:
         if c.sandbox_id:
             self.sandbox = client.get(c.sandbox_id)
             return
-        spec = dict(c.spec)
-        spec.setdefault("ttl_s", parse_duration(c.container_timeout))
-        spec.setdefault("labels", {})
-        spec["labels"] = {"shoal.client": "mini-swe-agent", **spec["labels"]}
-        self.sandbox = client.bridge.run(_create(client, c.image, spec), timeout=float(c.pull_timeout) + 60)
+        spec = SandboxSpec.from_options(c.image, **{"ttl_s": parse_duration(c.container_timeout), **c.spec})
+        spec.labels = {"shoal.client": "mini-swe-agent", **spec.labels}
+        self.sandbox = client.bridge.run(_create(client, spec), timeout=float(c.pull_timeout) + 60)
         self._owned = True
         self.logger.info("Started shoal sandbox %s from %s", self.sandbox.id, c.image)
 
@@ -241,6 +239,6 @@ class ShoalEnvironment:
             self.cleanup()
 
 
-async def _create(client: SyncClient, image: str, spec: dict[str, Any]) -> SyncSandbox:
-    sb = await client.async_client.create(image, **spec)
+async def _create(client: SyncClient, spec: SandboxSpec) -> SyncSandbox:
+    sb = await client.async_client.create(spec.image, **spec.model_dump(exclude={"image"}))
     return SyncSandbox(client.bridge, sb)

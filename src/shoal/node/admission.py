@@ -260,7 +260,7 @@ class Admission:
     def adopt(self, rec: SandboxRecord) -> None:
         """Count a live sandbox this process did not create (re-adopted after a restart)."""
         self.resumed(rec.id)
-        self._add(rec.id, int(rec.typed_spec.memory_mb), float(rec.typed_spec.cpus))
+        self._add(rec.id, int(rec.spec.memory_mb), float(rec.spec.cpus))
         if rec.state == "paused":
             self.paused(rec.id)
 

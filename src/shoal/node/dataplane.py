@@ -112,7 +112,7 @@ class DataPlane:
         check_timeout(timeout)
         c = await self.core.client(sandbox_id, rec)
         # a stream is not held in memory (backpressure bounds it): the spec's cap as it is, 0 = all of it
-        cap = int(rec.typed_spec.max_output_bytes) if max_output is None else max_output
+        cap = int(rec.spec.max_output_bytes) if max_output is None else max_output
         t0 = time.perf_counter()
         h = await c.exec_stream(argv, env=env, cwd=cwd, user=user, timeout=timeout, max_output=cap,
                                 tty=tty, stdin=stdin)
@@ -252,7 +252,7 @@ def _argv(cmd: str | list[str], shell: str) -> list[str]:
 
 
 def _exec_defaults(rec: SandboxRecord, cwd: str | None, user: str | None) -> tuple[str, str | None]:
-    spec = rec.typed_spec
+    spec = rec.spec
     return (cwd or spec.workdir or rec.extra.get("workdir") or "/",
             user or spec.user or rec.extra.get("user") or None)
 
@@ -260,8 +260,8 @@ def _exec_defaults(rec: SandboxRecord, cwd: str | None, user: str | None) -> tup
 def _output_cap(rec: SandboxRecord, asked: int | None = None) -> int:
     """Output bytes per stream kept for one command run to completion: what the call or the spec asks
     (0: as much as allowed), never more than the sandbox's memory allows (spec.output_limit)."""
-    limit = output_limit(int(rec.typed_spec.memory_mb or 1024))
-    cap = int(rec.typed_spec.max_output_bytes) if asked is None else int(asked)
+    limit = output_limit(int(rec.spec.memory_mb or 1024))
+    cap = int(rec.spec.max_output_bytes) if asked is None else int(asked)
     if cap < 0:
         raise InvalidRequest(f"max_output={asked!r} must be 0 or more bytes")
     if cap > limit:

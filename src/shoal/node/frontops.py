@@ -63,5 +63,5 @@ class NodeFrontOps(StoreImages):
             if only_extend and rec.expires_at is not None and rec.expires_at >= new:
                 return
             rec.expires_at = new
-            rec.spec = {**rec.spec, "ttl_s": float(seconds)}
+            rec.spec = rec.spec.model_copy(update={"ttl_s": float(seconds)})
             rec.save()

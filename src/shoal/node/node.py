@@ -403,7 +403,7 @@ class Node(DataPlane, NodeFrontOps):
         async with self.locks.state(sandbox_id):
             rec = self.record(sandbox_id)
             got = await backend.set_cpu_class(rec, cpu_class)
-            rec.spec = {**rec.spec, "cpu_class": cpu_class}  # a new dict: typed_spec follows
+            rec.spec = rec.spec.model_copy(update={"cpu_class": cpu_class})
             rec.extra["cpu"] = got
             rec.save()
         return got

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.config import parse_warm_pool
 from shoal.errors import InvalidRequest, SandboxNotFound, ShoalError
 from shoal.models import SandboxInfo
+from shoal.records import spec_copy
 
 if TYPE_CHECKING:
     from shoal.images.store import Image
@@ -117,7 +118,7 @@ class WarmPool:
             now = time.time()
             rec.extra.pop("pool", None)
             rec.extra["pooled_s"] = round(now - rec.created_at, 3)
-            rec.spec = spec.model_dump()
+            rec.spec = spec_copy(spec)
             rec.labels = dict(spec.labels)
             rec.project = spec.project
             rec.created_at = now

@@ -32,7 +32,7 @@ STOP_WAIT_S = 30.0
 
 
 class Recovery:
-    """Reconcile, adopt and reap the sandboxes of one node (through the node's public API)."""
+    """Reconcile, adopt and reap the sandboxes of one node (through the node's core, as a RecoveryHost)."""
 
     def __init__(self, node: RecoveryHost) -> None:
         self.node = node
@@ -138,7 +138,7 @@ class Recovery:
                 if dead:
                     self.node.events.emit("lost", rec.id, rec.project, reason="its init process is gone")
                 else:
-                    self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.typed_spec.ttl_s)
+                    self.node.events.emit("timeout", rec.id, rec.project, ttl_s=rec.spec.ttl_s)
             try:
                 await self.node.close(rec.id, reason="lost" if dead else "timeout")
                 n += 1

@@ -74,7 +74,7 @@ def _meminfo_mb() -> tuple[int, int]:
 
 
 class NodeScheduling:
-    """See the module docstring. One per Node (`node.scheduling`)."""
+    """See the module docstring. One per node, made by its core (`node.scheduling`)."""
 
     def __init__(self, node: SchedulingHost, s: Settings | None = None) -> None:
         s = s or node.config.settings
@@ -171,7 +171,7 @@ class NodeScheduling:
             except ShoalError:
                 continue
             name = self.policy.name(jl.priority)
-            out[name] = out.get(name, 0) + int(rec.typed_spec.memory_mb)
+            out[name] = out.get(name, 0) + int(rec.spec.memory_mb)
         return out
 
     # ---- the one-node view -------------------------------------------------------------------------
@@ -217,8 +217,8 @@ class NodeScheduling:
                 from shoal.host.cgroups import SandboxCgroup
 
                 used_mb = (SandboxCgroup(rec.cgroup).working_set_bytes() or 0) >> 20
-            cluster.track(SandboxView(rec.id, state.node_id, int(rec.typed_spec.memory_mb),
-                                      float(rec.typed_spec.cpus), jl.priority, jl.job, rec.project,
+            cluster.track(SandboxView(rec.id, state.node_id, int(rec.spec.memory_mb),
+                                      float(rec.spec.cpus), jl.priority, jl.job, rec.project,
                                       rec.state, last_used.get(rec.id, rec.created_at or now), used_mb))
         return cluster
 

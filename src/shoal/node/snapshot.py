@@ -6,7 +6,8 @@ with its lineage (parent image, sandbox, node, time) in the manifest. Nothing is
 layers are shared by reference, and the new layer holds only what the sandbox changed (deleted files
 are whiteouts). The image lives in the store, so any host that sees the store can create from it.
 
-`fork(n)` is a snapshot followed by `create_many(snapshot, n)`: the children start from the parent's
+`fork(n)` is a snapshot (`fork_snapshot`, which returns the children's spec) followed by the node's
+`create_many(spec, n)`: the children start from the parent's
 *files*; processes and memory are not carried over (see docs/stateful.md for which backend forks what).
 The parent keeps running. Both work on every backend with `Capability.SNAPSHOT_FILES` (a writable layer
 on the host, `backend.upper_dir`); memory snapshots and forks are the backend's own
@@ -71,7 +72,7 @@ def _budget(node: SnapshotHost, rec: SandboxRecord, squash: bool, store_budget: 
 
     A layer holds what the sandbox wrote, and the sandbox could not store more than its disk_mb: the same
     bound holds in the store, whatever sparse files claim (a squash also holds the image's own layers)."""
-    disk_mb = int(rec.typed_spec.disk_mb or 4096)
+    disk_mb = int(rec.spec.disk_mb or 4096)
     limit, why = disk_mb << 20, f"the sandbox's disk_mb={disk_mb}"
     if squash:
         parents = 0
@@ -158,14 +159,14 @@ async def snapshot_sandbox(node: SnapshotHost, sandbox_id: str, name: str, *, sq
         layer: Layer | None = None
         squashed = False
         try:
-            empty = await asyncio.to_thread(upper_is_empty, Path(upper), bool(rec.typed_spec.network))
+            empty = await asyncio.to_thread(upper_is_empty, Path(upper), bool(rec.spec.network))
             depth = len(parent_layers) + (0 if empty else 1)
             squashed = bool(squash) or (squash is None and depth > max_layers())
             budget = _budget(node, rec, squashed, store_budget)
             if squashed:
                 layer = await asyncio.to_thread(_squash, node, rec, Path(upper), dict(source, squashed=True), budget)
             elif not empty:
-                kw: dict[str, Any] = {"network": True} if rec.typed_spec.network else {}
+                kw: dict[str, Any] = {"network": True} if rec.spec.network else {}
                 layer = await asyncio.to_thread(lambda: pack_upper(
                     node.store, Path(upper), source, compress, max_bytes=budget[0],
                     what=f"the snapshot of sandbox {rec.id}", why=budget[1], **kw))
@@ -203,7 +204,7 @@ def _child_spec(rec: SandboxRecord, image_ref: str, overrides: dict[str, Any]) -
     if unknown:
         raise InvalidRequest(f"unknown sandbox option(s) for fork: {', '.join(sorted(unknown))}; "
                              f"known: {', '.join(sorted(known - {'image'}))}")
-    base = {k: v for k, v in rec.spec.items() if k in known}
+    base = rec.spec.to_dict()
     base.update(overrides)
     base["image"] = image_ref
     labels = dict(base.get("labels") or {})

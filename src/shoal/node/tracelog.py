@@ -14,9 +14,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.sched.policy import LABEL_JOB, LABEL_PRIORITY
+
+if TYPE_CHECKING:
+    from shoal.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +47,12 @@ class TraceLog:
                     self._warned = True
                     log.warning("cannot append to the trace file %s: %s (events are not recorded)", self.path, e)
 
-    def created(self, sandbox_id: str, spec: dict[str, Any], image: str, layers: list[str],
+    def created(self, sandbox_id: str, spec: SandboxSpec, image: str, layers: list[str],
                 labels: dict[str, str]) -> None:
         """A sandbox is ready."""
         ev: dict[str, Any] = {"event": "create", "t": round(time.time(), 4), "id": sandbox_id, "node": self.node_id,
-                              "image": image, "layers": layers, "cpus": spec.get("cpus", 1.0),
-                              "memory_mb": spec.get("memory_mb", 1024), "project": spec.get("project", "default")}
+                              "image": image, "layers": layers, "cpus": spec.cpus,
+                              "memory_mb": spec.memory_mb, "project": spec.project}
         if labels.get(LABEL_PRIORITY):
             ev["priority"] = labels[LABEL_PRIORITY]
         if labels.get(LABEL_JOB):

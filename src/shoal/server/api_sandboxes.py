@@ -364,8 +364,8 @@ async def fork_sandbox(sandbox_id: SidPath, body: ForkIn, request: Request, who:
         from shoal.node.snapshot import fork_image_name
 
         opts["name"] = ns.for_write(fork_image_name(sandbox_id))
-    cpus = float(opts.get("cpus", rec.spec.get("cpus", 1.0)))
-    mem = int(opts.get("memory_mb", rec.spec.get("memory_mb", 1024)))
+    cpus = float(opts.get("cpus", rec.spec.cpus))
+    mem = int(opts.get("memory_mb", rec.spec.memory_mb))
     owner = _owner(st, who, rec.project)
     if body.n > st.settings.max_batch:
         raise InvalidRequest(f"n={body.n} is over this server's batch limit of {st.settings.max_batch}")

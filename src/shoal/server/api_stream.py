@@ -82,7 +82,7 @@ async def _start(ws: WebSocket, st: Any, sandbox_id: str, who: Any) -> Any:
             raise InvalidRequest("shell commands are strings", errors=[{"field": "body.cmd", "message": "string"}])
         if start.tty or start.stdin or start.cwd or start.env or start.user:
             raise InvalidRequest("a shell command takes only cmd, timeout and max_output")
-        cap = rec.spec.get("max_output_bytes", 1 << 20) if start.max_output is None else start.max_output
+        cap = rec.spec.max_output_bytes if start.max_output is None else start.max_output
         c = await st.node.client(sandbox_id)
         return await c.shell_run_stream(start.shell, start.cmd, timeout=start.timeout, max_output=cap)
     return await st.node.stream(sandbox_id, start.cmd, timeout=start.timeout, cwd=start.cwd, env=start.env,

@@ -42,7 +42,7 @@ class _NodeCollector(Collector):
             by_state[rec.state] += 1
             by_project[rec.project] += 1
             if rec.state in ("creating", "running", "paused"):
-                mem += int(rec.typed_spec.memory_mb)
+                mem += int(rec.spec.memory_mb)
         g = GaugeMetricFamily("shoal_sandboxes", "Sandboxes on this node by state", labels=["state"])
         for st in sorted(set(STATES) | set(by_state)):
             g.add_metric([st], by_state.get(st, 0))

@@ -91,7 +91,7 @@ def row_of(rec: Any, node_id: str) -> dict[str, Any]:
     spec = rec.spec
     row = {"id": rec.id, "project": rec.project, "state": rec.state, "backend": rec.backend, "image": rec.image,
            "created_at": rec.created_at, "expires_at": rec.expires_at, "labels": rec.labels,
-           "job": rec.labels.get(LABEL_JOB), "cpus": spec.get("cpus"), "memory_mb": spec.get("memory_mb"),
+           "job": rec.labels.get(LABEL_JOB), "cpus": spec.cpus, "memory_mb": spec.memory_mb,
            "node": node_id, "runtime": rec.runtime, "layers": rec.layers}
     if rec.state == "paused":
         row["paused_by"] = rec.extra.get("paused_by") or "user"
@@ -475,19 +475,22 @@ class ClusterView:
         return merge_pages(pages, q)
 
     async def _lost_rows(self, q: SandboxQuery) -> list[dict[str, Any]]:
+        from shoal.spec import SandboxSpec
+
         rows: list[dict[str, Any]] = []
         with contextlib.suppress(ShoalError):
             for i in await self.transport.lost_sandboxes():
+                spec = SandboxSpec.from_wire(i.spec)  # (what the node's index in the KV kept of it)
                 if i.id not in self._lost_seen:
                     self._lost_seen.add(i.id)
                     self.events.refresh()
                     if not any(e.get("kind") == "lost" for e in self.events.of(i.id)):
-                        self.log.emit("lost", i.id, str(i.spec.get("project", "default")), node=i.node,
+                        self.log.emit("lost", i.id, spec.project, node=i.node,
                                       reason=f"node {i.node} has left the cluster")
-                rows.append({"id": i.id, "project": str(i.spec.get("project", "default")), "state": "lost",
+                rows.append({"id": i.id, "project": spec.project, "state": "lost",
                              "backend": i.backend, "image": i.image, "created_at": i.created_at,
                              "expires_at": i.expires_at, "labels": i.labels, "job": i.labels.get(LABEL_JOB),
-                             "cpus": i.spec.get("cpus"), "memory_mb": i.spec.get("memory_mb"), "node": i.node,
+                             "cpus": spec.cpus, "memory_mb": spec.memory_mb, "node": i.node,
                              "runtime": i.runtime})
         rows.sort(key=lambda r: r["created_at"])  # oldest first, like a node's index
         return rows

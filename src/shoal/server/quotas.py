@@ -104,7 +104,7 @@ class QuotaTracker:
                 continue  # ours, still being made: covered by its reservation
             if rec.state in ("stopped", "stopping"):
                 continue
-            known[rec.id] = (rec.project, float(rec.typed_spec.cpus), int(rec.typed_spec.memory_mb))
+            known[rec.id] = (rec.project, float(rec.spec.cpus), int(rec.spec.memory_mb))
         self._known = known
         self._refreshed = time.monotonic()
 

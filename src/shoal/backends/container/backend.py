@@ -259,7 +259,7 @@ class ContainerBackend(Backend):
         # without swap a sandbox at its limit is OOM-killed at once: nothing to watch
         if "swap_mb" in rec.extra:
             return bool(rec.extra["swap_mb"])
-        return bool(self._swap_mb(int(rec.typed_spec.memory_mb or 0)))  # a record from an older shoal
+        return bool(self._swap_mb(int(rec.spec.memory_mb or 0)))  # a record from an older shoal
 
     def _ensure_guard(self) -> None:
         # started by the first sandbox this process makes or reaches (one per node process)
@@ -269,10 +269,10 @@ class ContainerBackend(Backend):
     def _watch_swap(self, rec: SandboxRecord) -> None:
         if self.swap_watch is None or not rec.cgroup or self.swap_watch.watching(rec.id):
             return
-        own = str(rec.typed_spec.cpu_class or cpuclass.DEFAULT_CPU_CLASS)
+        own = str(rec.spec.cpu_class or cpuclass.DEFAULT_CPU_CLASS)
         if own == cpuclass.BATCH:
             return
-        cgroup, cpus, sid = rec.cgroup, float(rec.typed_spec.cpus), rec.id
+        cgroup, cpus, sid = rec.cgroup, float(rec.spec.cpus), rec.id
 
         async def move(over: bool, before: asyncio.Task | None) -> None:
             if before is not None:
@@ -299,7 +299,7 @@ class ContainerBackend(Backend):
             task.add_done_callback(lambda t: self._cpu_moves.get(sid) is t and self._cpu_moves.pop(sid, None))
 
         self._cpu_own[sid] = own
-        if not self.swap_watch.watch(sid, cgroup, int(rec.typed_spec.memory_mb or 0) << 20, crossed):
+        if not self.swap_watch.watch(sid, cgroup, int(rec.spec.memory_mb or 0) << 20, crossed):
             self._cpu_own.pop(sid, None)
 
     async def close(self) -> None:
@@ -613,7 +613,7 @@ class ContainerBackend(Backend):
             raise SandboxError(f"sandbox {rec.id} has no cgroup to put in a CPU class")
         if rec.id in self._cpu_own:
             self._cpu_own[rec.id] = cpu_class  # where it returns once it stops swapping past its limit
-        return await asyncio.to_thread(cpuclass.apply, rec.cgroup, cpu_class, float(rec.typed_spec.cpus),
+        return await asyncio.to_thread(cpuclass.apply, rec.cgroup, cpu_class, float(rec.spec.cpus),
                                        rec.init_pid)
 
     def info(self, rec: SandboxRecord) -> dict[str, Any]:

@@ -238,7 +238,7 @@ def pool_sandboxes(sandboxes_dir: Path) -> tuple[dict[str, int], dict[str, int]]
         projid = int(rec.extra.get("projid") or 0)
         if projid:
             subvols[rec.id] = projid
-            limits[rec.id] = int(rec.typed_spec.disk_mb or 0)
+            limits[rec.id] = int(rec.spec.disk_mb or 0)
     return subvols, limits
 
 

@@ -86,7 +86,7 @@ async def _set_classes(ctx: BenchContext, hogs: list[str], lat: list[str], phase
     for sid, cls in [*((h, hog_cls) for h in hogs), *((s, lat_cls) for s in lat)]:
         rec = node.record(sid)
         # NEUTRAL is the benchmark's reference, not a class users pick: set through the module directly
-        await asyncio.to_thread(cpuclass.apply, rec.cgroup, cls, float(rec.typed_spec.cpus), rec.init_pid)
+        await asyncio.to_thread(cpuclass.apply, rec.cgroup, cls, float(rec.spec.cpus), rec.init_pid)
 
 
 def _inflation(p: float, base: float) -> float | None:

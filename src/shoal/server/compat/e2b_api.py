@@ -131,18 +131,18 @@ def created(st: ServerState, who: Principal, info: SandboxInfo | SandboxRecord) 
 
 def detail(st: ServerState, rec: SandboxRecord, *, listed: bool = False) -> dict[str, Any]:
     """E2B's `SandboxDetail` / `ListedSandbox` for a shoal record."""
-    spec = rec.spec or {}
+    spec = rec.spec
     state = "paused" if rec.state == "paused" else "running"
     out: dict[str, Any] = {
         "templateID": rec.labels.get(common.TEMPLATE_LABEL) or rec.image, "sandboxID": rec.id,
         "clientID": st.node.config.node_id, "startedAt": _iso(rec.created_at),
         "endAt": _iso(rec.expires_at if rec.expires_at else rec.created_at + MAX_TIMEOUT_S),
-        "cpuCount": max(1, round(float(spec.get("cpus", 1)))), "memoryMB": int(spec.get("memory_mb", 0)),
-        "diskSizeMB": int(spec.get("disk_mb", 0)), "state": state, "envdVersion": common.ENVD_VERSION,
+        "cpuCount": max(1, round(float(spec.cpus))), "memoryMB": int(spec.memory_mb),
+        "diskSizeMB": int(spec.disk_mb), "state": state, "envdVersion": common.ENVD_VERSION,
         "metadata": _metadata(rec.labels),
     }
     if not listed:
-        out["allow_internet_access"] = bool(spec.get("network", False))
+        out["allow_internet_access"] = bool(spec.network)
         out["domain"] = None
     return out
 
@@ -413,9 +413,8 @@ async def fork(sandbox_id: str, request: Request) -> Response:
             from shoal.node.snapshot import fork_image_name
 
             opts["name"] = ns.for_write(fork_image_name(sandbox_id))
-        spec = rec.spec or {}
         async with common.slot(st, who):
-            res = st.quotas.reserve(who, count, float(spec.get("cpus", 1.0)), int(spec.get("memory_mb", 1024)))
+            res = st.quotas.reserve(who, count, float(rec.spec.cpus), int(rec.spec.memory_mb))
             try:
                 from shoal.server.store_quota import store_budget
 

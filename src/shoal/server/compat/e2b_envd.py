@@ -314,7 +314,7 @@ def _abs(st: ServerState, sid: str, path: Any, field: str = "path") -> str:
         raise RpcError("invalid_argument", f"{field} is required")
     if not path.startswith("/"):
         rec = st.node.record(sid)
-        base = (rec.spec or {}).get("workdir") or rec.extra.get("workdir") or "/"
+        base = rec.spec.workdir or rec.extra.get("workdir") or "/"
         path = posixpath.join(base, path)
     return posixpath.normpath(path) if path != "/" else "/"
 

@@ -136,9 +136,9 @@ class Recorder:
         s = self.series.get(rec.id)
         if s is not None or not rec.cgroup:
             return s
-        spec = rec.spec or {}
-        s = Series(sandbox_id=rec.id, cgroup=rec.cgroup, cpus=max(1, math.ceil(float(spec.get("cpus", 1)))),
-                   mem_total=int(spec.get("memory_mb", 0)) << 20, disk_total=int(spec.get("disk_mb", 0)) << 20,
+        spec = rec.spec
+        s = Series(sandbox_id=rec.id, cgroup=rec.cgroup, cpus=max(1, math.ceil(float(spec.cpus))),
+                   mem_total=int(spec.memory_mb) << 20, disk_total=int(spec.disk_mb) << 20,
                    upper=str(rec.extra.get("upper") or ""), created_at=rec.created_at or time.time())
         self.series[rec.id] = s
         p = sample(s, time.time())

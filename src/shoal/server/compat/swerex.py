@@ -40,7 +40,7 @@ from shoal.errors import (
     ShoalError,
     Unauthorized,
 )
-from shoal.limits import DEFAULT_MAX_OUTPUT_BYTES, output_limit
+from shoal.limits import output_limit
 from shoal.server.compat import common
 from shoal.server.compat.routes import compat_router
 from shoal.server.deps import ServerState, state_of
@@ -392,9 +392,8 @@ def _cap(st: ServerState, sandbox_id: str) -> int:
     """Bytes of output kept per stream for one command: the sandbox's max_output_bytes (0: as much as its memory
     allows, see limits.output_limit)."""
     rec = st.node.record(sandbox_id)
-    spec = rec.spec or {}
-    cap = int(spec.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES))
-    return cap or output_limit(int(spec.get("memory_mb") or 1024))
+    cap = int(rec.spec.max_output_bytes)
+    return cap or output_limit(int(rec.spec.memory_mb or 1024))
 
 
 async def _check_syntax(st: ServerState, sandbox_id: str, command: str) -> None:
@@ -629,7 +628,7 @@ def _abs(st: ServerState, sandbox_id: str, path: str) -> str:
     if path.startswith("/"):
         return path
     rec = st.node.record(sandbox_id)
-    return posixpath.join((rec.spec or {}).get("workdir") or rec.extra.get("workdir") or "/", path)
+    return posixpath.join(rec.spec.workdir or rec.extra.get("workdir") or "/", path)
 
 
 @router.post("/close")
