@@ -99,6 +99,7 @@ ALLOWED_PROBES = {
     ("server/settings.py", "getattr", "settings()"): "a Settings field by name (the field's default)",
     ("server/tokens.py", "getattr", "self"): "a Quota's own fields, by name",
     ("server/tokens.py", "setattr", "merged"): "a Quota's own fields, by name",
+    ("cluster/agent.py", "getattr", "spec"): "a SandboxSpec's own fields by name (the KV index's _INDEX_SPEC)",
     ("cluster/transport.py", "getattr", "last_refusal"):
         "the last refusal is a CapacityExceeded or another ShoalError; only the first has retry_after_s",
 }
