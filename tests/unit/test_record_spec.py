@@ -158,3 +158,35 @@ def test_no_untyped_spec_reads_in_src() -> None:
                            "SandboxSpec.from_wire) instead of:\n" + "\n".join(offenders))
     allowed = [f"{p.relative_to(SRC)}" for p in py_files() if ALLOW in source(p)]
     assert allowed == ["cli/main.py"], allowed  # a new exception is a decision: name it here
+
+
+# ---- the cluster wire: JSON between processes, typed at its edges ------------------------------------------
+
+async def test_the_gateway_reads_wire_specs_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.cluster.gateway import ClusterFront
+    from shoal.models import SandboxInfo
+
+    front = ClusterFront("ray://nowhere:1", home=str(tmp_path / "home"), store=str(tmp_path / "store"))
+    sid, other = "r1-" + "a" * 26, "r1-" + "b" * 26
+    # an agent's usage row (its spec as JSON, from a newer release: one key this one does not know)
+    row = (sid, "p", 2.0, 256, "running", {**SandboxSpec(cpus=2, memory_mb=256, project="p").to_dict(), "new": 1})
+
+    async def states(max_age_s: float = 0.0) -> list[dict]:
+        return [{"node_id": "r1"}]
+
+    async def usage_of(node_id: str) -> list[tuple]:
+        return [row]
+
+    async def get(sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo(id=sandbox_id, image="base", backend="container", state="running", created_at=1.0,
+                           spec={"project": "q", "memory_mb": 64})  # a partial spec: the rest defaults
+
+    monkeypatch.setattr(front.transport, "states", states)
+    monkeypatch.setattr(front, "_usage_of", usage_of)
+    monkeypatch.setattr(front.transport, "get", get)
+    await front.refresh_usage()
+    own = front.record(sid)
+    assert isinstance(own.spec, SandboxSpec) and (own.spec.cpus, own.spec.memory_mb, own.project) == (2.0, 256, "p")
+    own = await front.record_async(other)
+    assert isinstance(own.spec, SandboxSpec) and (own.project, own.spec.memory_mb) == ("q", 64)
+    assert own.spec.max_output_bytes == SandboxSpec().max_output_bytes
