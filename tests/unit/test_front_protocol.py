@@ -291,3 +291,27 @@ def test_fusion_finds_its_front_through_a_typed_accessor() -> None:
     marker = object()
     bind_front(app, marker)  # type: ignore[arg-type]
     assert front_of(SimpleNamespace(app=app)) is marker
+
+
+#: server functions whose `st` is not a ServerState, and why
+ALLOWED_ST = {("server/policy.py", "granted_priorities"): "reads only `tokens`: the CLI passes its token store"}
+
+
+def test_server_functions_take_a_typed_server_state() -> None:
+    """Rule: a parameter named `st` in server/ (the routes' name for the server state) is annotated with
+    ServerState, so what it reaches of the front is type-checked against Front, unless ALLOWED_ST says why
+    not. (`state` is also a sandbox-state query parameter: not covered.)"""
+    offenders = []
+    for mod, tree in _caller_modules():
+        if not mod.startswith("server/"):
+            continue
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for a in [*n.args.posonlyargs, *n.args.args, *n.args.kwonlyargs]:
+                if a.arg == "st" and (mod, n.name) not in ALLOWED_ST:
+                    names = _names(a.annotation) if a.annotation is not None else set()
+                    if "ServerState" not in names:
+                        shown = ast.unparse(a.annotation) if a.annotation is not None else "no annotation"
+                        offenders.append(f"{mod} {n.name}({a.arg}: {shown})")
+    assert not offenders, "\n".join(offenders)

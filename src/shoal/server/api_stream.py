@@ -28,7 +28,7 @@ from pydantic import Field, ValidationError
 from shoal.errors import InvalidRequest, ShoalError, Timeout
 from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S
 from shoal.server.codec import STDERR_TAG, STDOUT_TAG, encode_exec_result
-from shoal.server.deps import owned, state_of
+from shoal.server.deps import ServerState, owned, state_of
 from shoal.server.schemas import _In
 
 log = logging.getLogger("shoal.server")
@@ -63,7 +63,7 @@ async def _send_error(ws: WebSocket, e: ShoalError) -> None:
             await ws.close(code=4000 + int(e.http_status))
 
 
-async def _start(ws: WebSocket, st: Any, sandbox_id: str, who: Any) -> Any:
+async def _start(ws: WebSocket, st: ServerState, sandbox_id: str, who: Any) -> Any:
     try:
         msg = await asyncio.wait_for(ws.receive(), st.settings.ws_start_timeout_s)
     except TimeoutError:

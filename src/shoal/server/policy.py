@@ -17,14 +17,17 @@ node:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.errors import Forbidden
 from shoal.server.tokens import Principal
 
+if TYPE_CHECKING:
+    from shoal.server.deps import ServerState
+
 
 def granted_priorities(st: Any, project: str) -> list[str]:
-    """The priority classes a project may use."""
+    """The priority classes a project may use (`st`: anything with the server's `tokens`, the CLI passes its store)."""
     from shoal.config import settings
 
     s = settings()
@@ -36,7 +39,7 @@ def granted_priorities(st: Any, project: str) -> list[str]:
     return names[start:]
 
 
-def check_priority(st: Any, who: Principal, project: str, labels: dict[str, str] | None) -> None:
+def check_priority(st: ServerState, who: Principal, project: str, labels: dict[str, str] | None) -> None:
     """Forbidden when the labels name a priority class not granted to the project (admins: any class)."""
     from shoal.config import settings
     from shoal.sched.policy import LABEL_PRIORITY
@@ -51,7 +54,7 @@ def check_priority(st: Any, who: Principal, project: str, labels: dict[str, str]
                         "--priorities ...`", label=LABEL_PRIORITY, value=cls, granted=granted)
 
 
-def apply_policy(st: Any, who: Principal, data: dict[str, Any]) -> dict[str, Any]:
+def apply_policy(st: ServerState, who: Principal, data: dict[str, Any]) -> dict[str, Any]:
     """Spec fields from a client (`project` already decided) with the operator's policy applied: the
     project's egress grants filled in, the priority class checked. Returns `data`, changed in place."""
     project = str(data.get("project") or who.project)

@@ -4,7 +4,10 @@ See docs/compat.md."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shoal.server.deps import ServerState
 
 from fastapi import FastAPI
 
@@ -23,7 +26,7 @@ def mount(app: FastAPI) -> None:
     app.add_middleware(routing.CompatRouter)
 
 
-async def stop(state: Any) -> None:
+async def stop(state: ServerState) -> None:
     """Let go of what the compat layer holds at server shutdown (the metrics sampler, pooled port relays)."""
     from shoal.server.compat import e2b_metrics, ports
 

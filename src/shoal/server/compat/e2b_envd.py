@@ -147,7 +147,7 @@ async def process_start(request: Request) -> Response:
     return await server_stream(request, handler)
 
 
-async def _string_command_shell(st: Any, sid: str, argv: list[str]) -> list[str]:
+async def _string_command_shell(st: ServerState, sid: str, argv: list[str]) -> list[str]:
     """The E2B SDK sends every string command as `/bin/bash -l -c CMD`; in an image without bash (busybox,
     alpine) that runs with the image's /bin/sh instead, as shoal's own string commands do (NoShell when it
     has neither). Any other argv, or an image with bash, is left as it is."""
