@@ -45,6 +45,24 @@ class FrontConfig(Protocol):
         ...
 
 
+class SandboxClient(Protocol):
+    """What callers use of `Front.client(id)`: the sandbox's agent connection (a node) or a relay to it (a
+    gateway, which raises Unsupported for what it does not relay)."""
+
+    async def shell_run_stream(self, shell_id: str, cmd: str, *, timeout: float | None = None,
+                               max_output: int = ...) -> Any:
+        """Run `cmd` in a persistent shell and stream its output (the exit event carries the result)."""
+        ...
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        """lstat of `path`: type, size, mode, mtime, uid, gid."""
+        ...
+
+    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> None: ...
+
+    async def remove(self, path: str, recursive: bool = False) -> None: ...
+
+
 class Front(Protocol):
     """What every node front offers (parameters beyond these are extras of one implementation)."""
 
@@ -90,7 +108,7 @@ class Front(Protocol):
                      cwd: str | None = None, env: dict[str, str] | None = None, user: str | None = None,
                      tty: bool = False, stdin: bool = False, max_output: int | None = None) -> Any: ...
 
-    async def client(self, sandbox_id: str) -> Any: ...
+    async def client(self, sandbox_id: str) -> SandboxClient: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 

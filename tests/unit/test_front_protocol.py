@@ -274,6 +274,10 @@ async def test_what_the_gateway_does_not_relay_says_why(tmp_path: Path) -> None:
             await call
     with pytest.raises(Unsupported, match="fncall"):
         front.fncall()
+    c = await front.client("n0-x")  # shell streams are relayed; the agent's file-system calls are not
+    for call in (c.stat("/a"), c.mkdir("/a"), c.remove("/a")):
+        with pytest.raises(Unsupported, match="gateway does not relay"):
+            await call
     assert front.local_node() is None and front.cluster_transport() is front.transport
 
 

@@ -63,14 +63,32 @@ class _Config:
 
 
 class _ShellStreams:
-    """What `api_stream` asks of `node.client(id)`: shell commands streamed from the owner node."""
+    """A gateway's `client(id)` (shoal.front.SandboxClient): shell commands streamed from the owner node; the
+    agent's file-system calls are not relayed (Unsupported)."""
 
     def __init__(self, transport: ClusterTransport, sandbox_id: str) -> None:
         self.t, self.sid = transport, sandbox_id
 
     async def shell_run_stream(self, shell_id: str, cmd: str, *, timeout: float | None = None,
                                max_output: int | None = None) -> Any:
+        """Stream a shell command from the sandbox's node."""
         return await self.t.shell_stream(self.sid, shell_id, cmd, timeout=timeout, max_output=max_output)
+
+    def _unrelayed(self, what: str) -> Unsupported:
+        return Unsupported(f"{what} in sandbox {self.sid!r} is an agent call on its node: a cluster gateway does not "
+                           "relay it; use that node's server")
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        """Not through a cluster gateway."""
+        raise self._unrelayed(f"stat of {path!r}")
+
+    async def mkdir(self, path: str, parents: bool = True, mode: int = 0o755) -> None:
+        """Not through a cluster gateway."""
+        raise self._unrelayed(f"mkdir of {path!r}")
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        """Not through a cluster gateway."""
+        raise self._unrelayed(f"removing {path!r}")
 
 
 class ClusterFront(StoreImages):
