@@ -84,13 +84,13 @@ def rate_over_time(path: Path, series: Mapping[str, tuple[Sequence[float], Seque
 
 
 def memory_vs_count(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str,
-                    ylabel: str = "host memory used (MiB)") -> str:
-    """Host memory (MiB) against the number of live sandboxes/containers, per series."""
+                    ylabel: str = "host memory used (MiB)", xlabel: str = "idle sandboxes alive") -> str:
+    """Host memory (MiB) against the number of live sandboxes/containers (or another count), per series."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
     for i, (label, (n, mib)) in enumerate(series.items()):
         ax.plot(n, mib, marker="o", ms=3, lw=1.2, color=_color(i, label), label=label)
-    ax.set_xlabel("idle sandboxes alive")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.set_title(title, fontsize=10)

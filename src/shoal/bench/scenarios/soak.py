@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import gc
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +64,29 @@ def _count(path: str) -> int:
         return len(os.listdir(path))
     except OSError:
         return 0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_figures() -> dict[str, float]:
+    """Where this process's memory sits: Python's live objects (`py_blocks`, gc-tracked `py_objects`) and
+    glibc malloc's heap — in use by anyone (`heap_used_mib`) and free but kept from the OS
+    (`heap_free_mib`). RSS growing while the first three stay flat is the allocator keeping freed memory
+    (fragmentation), not a leak. Empty where glibc's mallinfo2 is missing."""
+    out: dict[str, float] = {"py_blocks": sys.getallocatedblocks(), "py_objects": len(gc.get_objects())}
+    try:
+        libc = ctypes.CDLL(None)
+        f = libc.mallinfo2
+    except (OSError, AttributeError):
+        return out
+    f.restype = _MallInfo2
+    mi = f()
+    out["heap_used_mib"] = round((mi.uordblks + mi.hblkhd) / MIB, 2)
+    out["heap_free_mib"] = round(mi.fordblks / MIB, 2)
+    return out
 
 
 def process_figures(pids: Sequence[int | str]) -> dict[str, float]:
@@ -135,7 +160,7 @@ async def shoal_soak(ctx: BenchContext, p: SoakParams) -> dict[str, Any]:
         gc.collect()
         row: dict[str, Any] = {"cycles": done, "phase": phase, "alive": len(alive),
                                "elapsed_s": round(time.perf_counter() - t0, 1),
-                               **process_figures(["self"]), **lag.take(), **node.table_sizes()}
+                               **process_figures(["self"]), **heap_figures(), **lag.take(), **node.table_sizes()}
         # agent connections come and go with use (closed after SHOAL_AGENT_IDLE_S): the rest must be flat
         row["fds_besides_connections"] = row["fds"] - row["connections"]
         for k, v in lat.items():
@@ -213,7 +238,8 @@ async def shoal_soak(ctx: BenchContext, p: SoakParams) -> dict[str, Any]:
     await asyncio.sleep(max(1.0, node.connections.idle_s))
     await node.connections.sweep()
     sample("all closed")
-    keys = ["fds", "fds_besides_connections", "threads", "rss_mib", "lag_p99_ms", "lag_max_ms", "parsed_records",
+    keys = ["fds", "fds_besides_connections", "threads", "rss_mib", "py_blocks", "py_objects", "heap_used_mib",
+            "heap_free_mib", "lag_p99_ms", "lag_max_ms", "parsed_records",
             "admission_live", "last_used", "swap_watches"]
     churn = [s for s in samples if s["phase"] in ("ramp", "churn", "end of churn")]
     return {"cycles": done, "alive": p.alive, "seconds": round(churn_s, 1), "stop_reason": stop_reason,
@@ -338,13 +364,15 @@ async def run(ctx: BenchContext, p: SoakParams) -> ScenarioResult:
         from shoal.bench import plots
 
         series = {"node RSS (MiB)": ([x["cycles"] for x in s["samples"]], [x["rss_mib"] for x in s["samples"]]),
-                  "node fds": ([x["cycles"] for x in s["samples"]], [x["fds"] for x in s["samples"]])}
+                  "node fds": ([x["cycles"] for x in s["samples"]], [x["fds"] for x in s["samples"]]),
+                  "node fds besides agent connections": ([x["cycles"] for x in s["samples"]],
+                                                         [x["fds_besides_connections"] for x in s["samples"]])}
         if d.get("samples"):
             series["dockerd+containerd RSS (MiB)"] = ([x["cycles"] for x in d["samples"]],
                                                       [x["rss_mib"] for x in d["samples"]])
         res.figures.append(plots.memory_vs_count(ctx.figure_path("soak.png"), series,
-                                                 "one node process through create/exec/close churn (x: cycles)",
-                                                 ylabel="MiB / descriptors"))
+                                                 f"one node process, {p.alive} alive, through create/exec/close churn",
+                                                 ylabel="MiB / descriptors", xlabel="create/exec/close cycles"))
     return res
 
 
