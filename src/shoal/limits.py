@@ -122,3 +122,7 @@ def check_cpu_class(name: str) -> str:
         raise InvalidRequest(f"cpu_class={name!r} is not a CPU class: choose {' or '.join(CPU_CLASSES)} "
                              f"(default {DEFAULT_CPU_CLASS}; see docs/sandboxes.md#cpu-classes)")
     return name
+
+#: how often a node gives its malloc heap's free pages back to the kernel (shoal.host.heap.trim): churn
+#: scatters freed memory over the arenas of its threads, which RSS otherwise keeps (issue 24's soak)
+HEAP_TRIM_INTERVAL_S = 60.0

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shoal.errors import SandboxError, SandboxNotFound, ShoalError
+from shoal.host import heap
+from shoal.limits import HEAP_TRIM_INTERVAL_S
 from shoal.records import SandboxRecord, list_records
 
 if TYPE_CHECKING:
@@ -172,6 +174,7 @@ class Recovery:
     async def _reap_loop(self) -> None:
         interval = self.node.config.reap_interval_s
         pause = interval
+        trimmed_at = time.monotonic()
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), pause)
@@ -188,3 +191,6 @@ class Recovery:
             pause = max(interval, 20 * (time.monotonic() - t0))
             with contextlib.suppress(Exception):
                 await self.node.watch_store()  # may wait up to the probe timeout: not part of the scan's cost
+            if time.monotonic() - trimmed_at >= HEAP_TRIM_INTERVAL_S:
+                trimmed_at = time.monotonic()
+                await asyncio.to_thread(heap.trim)  # the node's RSS follows its live memory (host/heap.py)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import gc
 import os
 import sys
@@ -30,6 +29,7 @@ from shoal.bench.scenario import Scenario, param
 from shoal.bench.scenarios.common import SPEC_KW, first_errors, spec
 from shoal.bench.stats import linear_slope, percentile
 from shoal.errors import ShoalError
+from shoal.host import heap
 
 
 @dataclass(frozen=True)
@@ -66,26 +66,16 @@ def _count(path: str) -> int:
         return 0
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 def heap_figures() -> dict[str, float]:
     """Where this process's memory sits: Python's live objects (`py_blocks`, gc-tracked `py_objects`) and
     glibc malloc's heap — in use by anyone (`heap_used_mib`) and free but kept from the OS
     (`heap_free_mib`). RSS growing while the first three stay flat is the allocator keeping freed memory
-    (fragmentation), not a leak. Empty where glibc's mallinfo2 is missing."""
+    (fragmentation), not a leak."""
     out: dict[str, float] = {"py_blocks": sys.getallocatedblocks(), "py_objects": len(gc.get_objects())}
-    try:
-        libc = ctypes.CDLL(None)
-        f = libc.mallinfo2
-    except (OSError, AttributeError):
-        return out
-    f.restype = _MallInfo2
-    mi = f()
-    out["heap_used_mib"] = round((mi.uordblks + mi.hblkhd) / MIB, 2)
-    out["heap_free_mib"] = round(mi.fordblks / MIB, 2)
+    hs = heap.stats()
+    if hs is not None:
+        out["heap_used_mib"] = round(hs.used / MIB, 2)
+        out["heap_free_mib"] = round(hs.free / MIB, 2)
     return out
 
 
