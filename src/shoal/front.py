@@ -4,7 +4,7 @@ ClusterFront` (issue 27, item 4).
 
 Callers use these methods and `kind` — never `hasattr`/`getattr` probing to tell the two apart. An operation
 one side cannot do still exists there and raises a typed error saying why (`shoal.errors.Unsupported`):
-the gateway's `restore`, `set_cpu_class`, `watch`, `open_port`, `fncall`, `set_ttl`, `build_dockerfile`.
+the gateway's `restore`, `watch`, `open_port`, `fncall`, `set_ttl`, `build_dockerfile`.
 tests/unit/test_front_protocol.py checks that both classes implement every method with compatible parameters,
 and that the server, compat APIs, transports and cluster modules hold the node side as a `Front` and never
 probe it with `hasattr`/`getattr`.

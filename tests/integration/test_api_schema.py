@@ -180,7 +180,7 @@ SANDBOX_OPERATIONS = {
     "POST /v1/sandboxes/{sandbox_id}/snapshot", "GET /v1/sandboxes/{sandbox_id}/dir",
     "GET /v1/sandboxes/{sandbox_id}/files", "PUT /v1/sandboxes/{sandbox_id}/files",
     "POST /v1/sandboxes/{sandbox_id}/shells", "DELETE /v1/sandboxes/{sandbox_id}/shells/{shell_id}",
-    "POST /v1/sandboxes/{sandbox_id}/shells/{shell_id}/run",
+    "POST /v1/sandboxes/{sandbox_id}/shells/{shell_id}/run", "POST /v1/sandboxes/{sandbox_id}/cpu_class",
     # the dashboard's (issue 20)
     "GET /v1/sandboxes/{sandbox_id}/events", "GET /v1/sandboxes/{sandbox_id}/usage",
 }

@@ -188,7 +188,7 @@ async def test_cpu_classes_place_batch_work_on_idle_cpu_time(client: shoal.Clien
         d = cgroups.CGROUP_ROOT / "cpu" / "shoal" / inter.id
         assert (d / "cpu.cfs_burst_us").read_text().strip() == (d / "cpu.cfs_quota_us").read_text().strip()
         # a class changes live: everything it runs moves with it
-        got = await node.set_cpu_class(batch.id, "interactive")
+        got = await batch.set_cpu_class("interactive")  # the SDK's Sandbox method (an embedded node here)
         assert got["class"] == "interactive" and not got["idle"]
         assert _cpu_cgroup(pid) == f"/shoal/{batch.id}" and not (parent / batch.id).exists()
         await node.set_cpu_class(batch.id, "batch")

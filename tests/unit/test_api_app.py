@@ -57,7 +57,8 @@ def test_health_and_openapi(client: TestClient) -> None:
     for p in ("/v1/sandboxes", "/v1/sandboxes/batch", "/v1/sandboxes/{sandbox_id}", "/v1/sandboxes/{sandbox_id}/exec",
               "/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/dir",
               "/v1/sandboxes/{sandbox_id}/shells", "/v1/sandboxes/{sandbox_id}/pause",
-              "/v1/sandboxes/{sandbox_id}/snapshot", "/v1/sandboxes/{sandbox_id}/fork", "/v1/images",
+              "/v1/sandboxes/{sandbox_id}/snapshot", "/v1/sandboxes/{sandbox_id}/fork",
+              "/v1/sandboxes/{sandbox_id}/cpu_class", "/v1/images",
               "/v1/images/build", "/v1/images/import", "/v1/run_code", "/healthz", "/metrics"):
         assert p in paths, p
     for path, ops in paths.items():
@@ -140,6 +141,7 @@ def test_other_projects_sandbox_is_not_found(home: Path) -> None:
     for method, suffix, body in [("GET", "", None), ("DELETE", "", None), ("POST", "/exec", {"cmd": "id"}),
                                  ("GET", "/files?path=/etc/hostname", None), ("GET", "/dir?path=/", None),
                                  ("POST", "/pause", None), ("POST", "/resume", None),
+                                 ("POST", "/cpu_class", {"cpu_class": "batch"}),
                                  ("POST", "/snapshot", {"name": "steal"}), ("POST", "/fork", {"n": 1}),
                                  ("POST", "/shells", {})]:
         r = c.request(method, f"/v1/sandboxes/{sid}{suffix}", headers=B, json=body)
@@ -151,6 +153,32 @@ def test_other_projects_sandbox_is_not_found(home: Path) -> None:
     assert [s["id"] for s in c.get("/v1/sandboxes", headers=A).json()["sandboxes"]] == [sid]
     assert c.get("/v1/sandboxes?project=aa", headers=B).status_code == 403
     assert (node.paths.sandboxes / sid / "record.json").exists()  # B's DELETE did nothing
+
+
+def test_cpu_class_route_validates_scopes_and_answers_what_was_set(home: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    c, node = _app(home)
+    ta = TokenStore(home).create("aa")
+    A = {"Authorization": f"Bearer {ta}"}
+    sid = _fake_record(node, "aa")
+    calls: list[tuple[str, str]] = []
+
+    async def set_cpu_class(sandbox_id: str, cpu_class: str) -> dict[str, object]:
+        calls.append((sandbox_id, cpu_class))
+        return {"cpu_class": cpu_class, "idle": cpu_class == "batch"}
+
+    monkeypatch.setattr(node, "set_cpu_class", set_cpu_class)
+    r = c.post(f"/v1/sandboxes/{sid}/cpu_class", headers=A, json={"cpu_class": "batch"})
+    assert r.status_code == 200 and r.json() == {"cpu_class": "batch", "idle": True}
+    assert calls == [(sid, "batch")]
+    for bad in ({"cpu_class": "realtime"}, {}, {"cpu_class": "batch", "x": 1}):
+        r = c.post(f"/v1/sandboxes/{sid}/cpu_class", headers=A, json=bad)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", bad
+    r = c.post(f"/v1/sandboxes/{new_sandbox_id('n0')}/cpu_class", headers=A, json={"cpu_class": "batch"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
+    assert calls == [(sid, "batch")]
+    op = c.get("/openapi.json").json()["paths"]["/v1/sandboxes/{sandbox_id}/cpu_class"]["post"]
+    assert {"404", "501"} <= set(op["responses"])
 
 
 def test_non_admin_cannot_choose_project_or_build_base(home: Path) -> None:
@@ -193,6 +221,7 @@ json_values = st.recursive(
 ROUTES = [("POST", "/v1/sandboxes"), ("POST", "/v1/sandboxes/batch"), ("POST", "/v1/sandboxes/{sid}/exec"),
           ("POST", "/v1/sandboxes/{sid}/shells"), ("POST", "/v1/sandboxes/{sid}/shells/s1/run"),
           ("POST", "/v1/sandboxes/{sid}/snapshot"), ("POST", "/v1/sandboxes/{sid}/fork"),
+          ("POST", "/v1/sandboxes/{sid}/cpu_class"),
           ("POST", "/v1/images/build"), ("POST", "/v1/images/pull"), ("GET", "/v1/sandboxes/{sid}")]
 
 

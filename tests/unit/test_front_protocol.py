@@ -69,9 +69,33 @@ async def test_what_the_gateway_cannot_do_is_a_typed_error(tmp_path: Path) -> No
     front = ClusterFront("ray://127.0.0.1:1", home=str(tmp_path / "h"), store=str(tmp_path / "s"))
     with pytest.raises(Unsupported, match="memory snapshot 'snap' needs the node that holds it"):
         await front.restore("snap")
-    with pytest.raises(Unsupported, match="set_cpu_class"):
-        await front.set_cpu_class("n0-x", "batch")
     assert front.kind == "cluster" and Node.kind == "node"
+
+
+async def test_the_gateway_relays_set_cpu_class_to_the_sandbox_node(tmp_path: Path) -> None:
+    # routed by the sandbox ID's node prefix to that node agent's HTTP API; the node's answer and its typed
+    # errors come back as they are
+    from shoal.cluster.transport import _Agent
+    from shoal.records import new_sandbox_id
+
+    class NodeHttp:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, object]:
+            self.calls.append((sandbox_id, cpu_class))
+            if cpu_class == "interactive":
+                raise Unsupported("the fake backend cannot put sandboxes in CPU classes")
+            return {"cpu_class": cpu_class}
+
+    front = ClusterFront("ray://127.0.0.1:1", home=str(tmp_path / "h"), store=str(tmp_path / "s"))
+    n1, n2 = NodeHttp(), NodeHttp()
+    front.transport._agents.update({"n1": _Agent("n1", None, {}, n1), "n2": _Agent("n2", None, {}, n2)})
+    sid = new_sandbox_id("n2")
+    assert await front.set_cpu_class(sid, "batch") == {"cpu_class": "batch"}
+    with pytest.raises(Unsupported, match="CPU classes"):
+        await front.set_cpu_class(sid, "interactive")
+    assert n2.calls == [(sid, "batch"), (sid, "interactive")] and n1.calls == []
 
 
 # ---- the callers: typed against Front, never probing it -------------------------------------------------

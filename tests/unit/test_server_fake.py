@@ -106,6 +106,40 @@ async def test_capability_errors_travel_typed(client: shoal.Client) -> None:
     await sb.close()
 
 
+async def test_cpu_class_over_http_keeps_the_capability_error(client: shoal.Client, url: str) -> None:
+    # the fake backend has no CPU classes (container only): the node's Unsupported travels typed, as 501
+    sb = await client.create("t:1", **FAKE)
+    with pytest.raises(shoal.Unsupported, match="CPU class"):
+        await sb.set_cpu_class("batch")
+    r = httpx.post(f"{url}/v1/sandboxes/{sb.id}/cpu_class", json={"cpu_class": "batch"})
+    assert r.status_code == 501 and r.json()["error"]["code"] == "unsupported"
+    with pytest.raises(shoal.InvalidRequest):
+        await sb.set_cpu_class("realtime")
+    assert (await sb.refresh()).spec["cpu_class"] == "interactive"
+    await sb.close()
+
+
+async def test_a_gateway_relays_set_cpu_class_to_a_node_server(client: shoal.Client, url: str,
+                                                                 tmp_path: Path) -> None:
+    # ClusterFront -> ClusterTransport -> the node agent's HTTP API (here: this module's server, as the agent)
+    from shoal.cluster.gateway import ClusterFront
+    from shoal.cluster.transport import _Agent
+    from shoal.records import node_of
+    from shoal.sdk.http import HttpTransport
+
+    sb = await client.create("t:1", **FAKE)
+    front = ClusterFront("ray://127.0.0.1:1", home=str(tmp_path / "h"), store=str(tmp_path / "s"))
+    http = HttpTransport(url, timeout=30)
+    await http.start()
+    try:
+        front.transport._agents[node_of(sb.id)] = _Agent(node_of(sb.id), None, {}, http)
+        with pytest.raises(shoal.Unsupported, match="cannot put sandboxes in CPU classes"):
+            await front.set_cpu_class(sb.id, "batch")
+    finally:
+        await http.aclose()
+        await sb.close()
+
+
 def test_spec_errors_are_422_per_field(url: str) -> None:
     r = httpx.post(url + "/v1/sandboxes", json={"image": "t:1", "memory_mb": 1, "backend": "docker", "x": 1})
     assert r.status_code == 422

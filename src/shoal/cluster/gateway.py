@@ -348,9 +348,8 @@ class ClusterFront(StoreImages):
                           "node (shoal.Client() on that host), or fork the running sandbox instead")
 
     async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
-        """Not through a cluster gateway yet."""
-        raise Unsupported(f"CPU classes are set on the sandbox's node: a cluster gateway does not relay "
-                          f"set_cpu_class (sandbox {sandbox_id!r}); use that node's server or an embedded node")
+        """Move the sandbox to another CPU class on its node (that node's answer, errors included)."""
+        return await self.transport.set_cpu_class(sandbox_id, cpu_class)
 
     async def resolve_image(self, ref: str, **kw: Any) -> None:
         """The nodes pull what they need: refuse here only what no node could get (ImageNotFound)."""

@@ -58,7 +58,7 @@ from shoal.sdk.transport import Transport
 #: operations the SDK sends again by itself after a node agent failure, even when the first attempt
 #: may have reached the node: repeating them cannot do anything twice
 IDEMPOTENT = frozenset({"get", "list", "close", "read_file", "write_file", "list_dir", "pause", "resume",
-                        "shell_close", "images"})
+                        "shell_close", "images", "set_cpu_class"})
 #: how long a call waits for a restarting node agent before raising NodeUnavailable (seconds)
 RETRY_WINDOW_S = 120.0
 #: how old the node states placement reads may be (seconds)
@@ -555,6 +555,10 @@ class ClusterTransport(Transport):
 
     async def resume(self, sandbox_id: str) -> None:
         await self._on_sandbox(sandbox_id, "resume", lambda h: h.resume(sandbox_id))
+
+    async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
+        return dict(await self._on_sandbox(sandbox_id, "set_cpu_class",
+                                           lambda h: h.set_cpu_class(sandbox_id, cpu_class)))
 
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         return await self._on_sandbox(sandbox_id, "snapshot", lambda h: h.snapshot(sandbox_id, name))

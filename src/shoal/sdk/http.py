@@ -464,6 +464,12 @@ class HttpTransport(Transport):
     async def resume(self, sandbox_id: str) -> None:
         await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/resume")
 
+    async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
+        r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/cpu_class",
+                                json_body={"cpu_class": cpu_class})
+        out: dict[str, Any] = r.json()
+        return out
+
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         r = await self._request("POST", f"/v1/sandboxes/{_sid(sandbox_id)}/snapshot", json_body={"name": name},
                                 read_timeout=None)

@@ -85,6 +85,9 @@ class LocalTransport(Transport):
     async def resume(self, sandbox_id: str) -> None:
         await self.node.resume(sandbox_id)
 
+    async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
+        return await self.node.set_cpu_class(sandbox_id, cpu_class)
+
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         return await self.node.snapshot(sandbox_id, name)
 

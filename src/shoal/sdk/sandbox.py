@@ -154,6 +154,12 @@ class Sandbox:
         """Thaw the sandbox."""
         await self._t.resume(self.id)
 
+    async def set_cpu_class(self, cpu_class: str) -> dict[str, Any]:
+        """Move the running sandbox to another CPU class, `interactive` or `batch` (e.g. around a test suite it
+        runs; docs/sandboxes.md#cpu-classes). Container backend only: Unsupported elsewhere. Returns what was
+        set (`refresh()` reads the spec with its new class)."""
+        return await self._t.set_cpu_class(self.id, cpu_class)
+
     async def snapshot(self, name: str) -> dict[str, Any]:
         """Save the sandbox's files as a new image `name` (create from it = fork)."""
         return await self._t.snapshot(self.id, name)

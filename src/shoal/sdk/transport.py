@@ -100,6 +100,12 @@ class Transport(ABC):
     @abstractmethod
     async def resume(self, sandbox_id: str) -> None: ...
 
+    async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
+        """Move a running sandbox to another CPU class (`interactive` or `batch`); what was set."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("CPU classes are not available on this transport")
+
     async def snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         """Pack the sandbox's writable layer into a new image `name`."""
         from shoal.errors import NotImplementedYet

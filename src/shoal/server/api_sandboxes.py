@@ -1,5 +1,5 @@
 """REST routes for sandboxes: create (one or a batch), list, get, close, exec, files, shells,
-pause/resume, snapshot, fork — each scoped to the caller's project."""
+pause/resume, CPU class, snapshot, fork — each scoped to the caller's project."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from shoal.server.responses import SANDBOX_ERRORS, errors
 from shoal.server.schemas import (
     BatchIn,
     BatchOut,
+    CpuClassIn,
     DirList,
     ExecIn,
     ExecOut,
@@ -96,7 +97,7 @@ def _batch(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 _SB = "$response.body#/id"
 _ON_SANDBOX = ("get_sandbox", "close_sandbox", "exec_command", "read_file", "write_file", "list_dir", "open_shell",
-               "pause_sandbox", "resume_sandbox", "snapshot_sandbox", "fork_sandbox")
+               "pause_sandbox", "resume_sandbox", "set_cpu_class", "snapshot_sandbox", "fork_sandbox")
 
 
 def _links(status: int, base: dict[int | str, Any], targets: dict[str, dict[str, str]]) -> dict[int | str, Any]:
@@ -330,6 +331,17 @@ async def resume_sandbox(sandbox_id: SidPath, request: Request, who: Who) -> dic
     await owned(st, who, sandbox_id)
     await st.node.resume(sandbox_id)
     return Namespace(who).show_info(await st.node.get(sandbox_id))
+
+
+@router.post("/{sandbox_id}/cpu_class", response_model=dict[str, Any], summary="Change the CPU class",
+             responses=errors(404, 409, 500, 501, 503, 504))
+async def set_cpu_class(sandbox_id: SidPath, body: CpuClassIn, request: Request, who: Who) -> dict[str, Any]:
+    """Move the running sandbox to another CPU class (`interactive` or `batch`), e.g. around a test suite it
+    runs; the answer is what was set. Backends without CPU classes answer 501 (only the container backend has
+    them)."""
+    st = state_of(request)
+    await owned(st, who, sandbox_id)
+    return await st.node.set_cpu_class(sandbox_id, body.cpu_class)
 
 
 @router.post("/{sandbox_id}/snapshot", response_model=dict[str, Any], summary="Snapshot into a new image",

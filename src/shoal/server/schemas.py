@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from shoal.limits import DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S, MAX_HTTP_BATCH
+from shoal.limits import CPU_CLASSES, DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S, MAX_HTTP_BATCH
 from shoal.models import SandboxInfo
 from shoal.spec import (
     NEW_IMAGE_RE,
@@ -92,6 +92,14 @@ class SnapshotIn(_In):
     """Name of the image a snapshot becomes."""
 
     name: NewImageName
+
+
+class CpuClassIn(_In):
+    """The CPU class a running sandbox moves to (docs/sandboxes.md#cpu-classes)."""
+
+    cpu_class: Annotated[str, StringConstraints(pattern="^(?:" + "|".join(CPU_CLASSES) + ")$")] = Field(
+        description="interactive: short steps whose latency matters; batch: runs on CPU time no interactive "
+                    "task wants")
 
 
 class ForkIn(_In):
