@@ -58,7 +58,7 @@ def test_health_and_openapi(client: TestClient) -> None:
               "/v1/sandboxes/{sandbox_id}/files", "/v1/sandboxes/{sandbox_id}/dir",
               "/v1/sandboxes/{sandbox_id}/shells", "/v1/sandboxes/{sandbox_id}/pause",
               "/v1/sandboxes/{sandbox_id}/snapshot", "/v1/sandboxes/{sandbox_id}/fork",
-              "/v1/sandboxes/{sandbox_id}/cpu_class", "/v1/images",
+              "/v1/sandboxes/{sandbox_id}/cpu_class", "/v1/sandboxes/restore", "/v1/images",
               "/v1/images/build", "/v1/images/import", "/v1/run_code", "/healthz", "/metrics"):
         assert p in paths, p
     for path, ops in paths.items():
@@ -181,6 +181,53 @@ def test_cpu_class_route_validates_scopes_and_answers_what_was_set(home: Path,
     assert {"404", "501"} <= set(op["responses"])
 
 
+def test_restore_route_is_admin_only_validates_and_maps_errors(home: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.errors import CapacityExceeded, SandboxNotFound, Unsupported
+    from shoal.models import SandboxInfo
+    from shoal.server.schemas import SNAPSHOT_NAME_RE
+
+    c, node = _app(home)
+    ta = TokenStore(home).create("aa")
+    admin = TokenStore(home).create("ops", admin=True)
+    A, ADMIN = ({"Authorization": f"Bearer {t}"} for t in (ta, admin))
+    calls: list[tuple[str, int, str]] = []
+
+    async def restore(name: str, n: int = 1, *, backend: str = "microvm") -> list[object]:
+        calls.append((name, n, backend))
+        if name == "gone":
+            raise SandboxNotFound(f"no VM snapshot named {name!r} on this host")
+        if backend != "microvm":
+            raise Unsupported(f"the {backend} backend cannot restore memory snapshots")
+        info = SandboxInfo(id=new_sandbox_id("n0"), image="base:latest", backend="microvm", state="running",
+                           created_at=1.0, spec={"project": "default"})
+        return [info, CapacityExceeded("node full")][:n]
+
+    monkeypatch.setattr(node, "restore", restore)
+    # memory snapshots are named per host, not per project: a project token may not restore one
+    r = c.post("/v1/sandboxes/restore", headers=A, json={"name": "snap"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden" and calls == []
+    r = c.post("/v1/sandboxes/restore", headers=ADMIN, json={"name": "snap", "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["created"], body["failed"]) == (1, 1) and body["items"][0]["sandbox"]["backend"] == "microvm"
+    assert body["items"][1]["error"]["code"] == "capacity_exceeded"
+    assert calls == [("snap", 2, "microvm")]
+    r = c.post("/v1/sandboxes/restore", headers=ADMIN, json={"name": "gone"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
+    r = c.post("/v1/sandboxes/restore", headers=ADMIN, json={"name": "snap", "backend": "container"})
+    assert r.status_code == 501 and r.json()["error"]["code"] == "unsupported"
+    for bad in ({"name": "../etc"}, {"name": "s", "n": 0}, {"name": "s", "backend": "docker"}, {},
+                {"name": "s", "x": 1}):
+        r = c.post("/v1/sandboxes/restore", headers=ADMIN, json=bad)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", bad
+    assert len(calls) == 3
+    # the schema's name check is the VM backends' own
+    from shoal.backends.vm import _SNAPSHOT_NAME
+
+    assert _SNAPSHOT_NAME.pattern == SNAPSHOT_NAME_RE
+
+
 def test_non_admin_cannot_choose_project_or_build_base(home: Path) -> None:
     c, _ = _app(home)
     tb = TokenStore(home).create("bb")
@@ -221,7 +268,7 @@ json_values = st.recursive(
 ROUTES = [("POST", "/v1/sandboxes"), ("POST", "/v1/sandboxes/batch"), ("POST", "/v1/sandboxes/{sid}/exec"),
           ("POST", "/v1/sandboxes/{sid}/shells"), ("POST", "/v1/sandboxes/{sid}/shells/s1/run"),
           ("POST", "/v1/sandboxes/{sid}/snapshot"), ("POST", "/v1/sandboxes/{sid}/fork"),
-          ("POST", "/v1/sandboxes/{sid}/cpu_class"),
+          ("POST", "/v1/sandboxes/{sid}/cpu_class"), ("POST", "/v1/sandboxes/restore"),
           ("POST", "/v1/images/build"), ("POST", "/v1/images/pull"), ("GET", "/v1/sandboxes/{sid}")]
 
 

@@ -140,6 +140,12 @@ async def test_a_gateway_relays_set_cpu_class_to_a_node_server(client: shoal.Cli
         await sb.close()
 
 
+async def test_restore_over_http_keeps_the_capability_error(client: shoal.Client) -> None:
+    # the fake backend has no memory snapshots: Unsupported over HTTP (501), typed in the SDK
+    with pytest.raises(shoal.Unsupported, match="restore"):
+        await client.restore("snap", backend="fake")
+
+
 def test_spec_errors_are_422_per_field(url: str) -> None:
     r = httpx.post(url + "/v1/sandboxes", json={"image": "t:1", "memory_mb": 1, "backend": "docker", "x": 1})
     assert r.status_code == 422

@@ -342,10 +342,13 @@ class ClusterFront(StoreImages):
         return await self.transport.run_code_many(items, **kw)
 
     async def restore(self, name: str, n: int = 1, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
-        """Not through a cluster gateway: a VM memory snapshot lives on the node that took it."""
+        """Not through a cluster gateway: a VM memory snapshot lives in the SHOAL_HOME of the node that took it
+        (not in the shared store), and nothing the gateway can read says which node that is."""
         raise Unsupported(f"restoring the memory snapshot {name!r} needs the node that holds it: a cluster "
-                          "gateway cannot place it yet; restore it through that node's own server or an embedded "
-                          "node (shoal.Client() on that host), or fork the running sandbox instead")
+                          "gateway cannot place it yet (memory snapshots stay in their node's SHOAL_HOME, not "
+                          "the shared store); restore it through that node's own server (POST "
+                          "/v1/sandboxes/restore) or an embedded node (shoal.Client() on that host), or fork "
+                          "the running sandbox instead")
 
     async def set_cpu_class(self, sandbox_id: str, cpu_class: str) -> dict[str, Any]:
         """Move the sandbox to another CPU class on its node (that node's answer, errors included)."""

@@ -123,6 +123,22 @@ class Client:
                 raise errs[0]
         return out
 
+    async def restore(self, name: str, n: int = 1, *, backend: str = "microvm") -> list[Sandbox]:
+        """`n` new sandboxes resumed from the named VM memory snapshot (`snapshot(memory=True)` or
+        `shoal vm snapshot`) of the node that took it; over HTTP an admin token's. If any fails, the first
+        error is raised (the ones that were made stay owned by the client and close with it)."""
+        t = await self._ensure()
+        items = await t.restore(name, n, backend=backend)
+        out: list[Sandbox] = []
+        for it in items:
+            if isinstance(it, SandboxInfo):
+                self._owned.add(it.id)
+                out.append(Sandbox(self, it))
+        for it in items:
+            if isinstance(it, ShoalError):
+                raise it
+        return out
+
     def job(self, name: str, *, priority: str | None = None, max_sandboxes: int | None = None,
             weight: float | None = None) -> Job:
         """A job: its sandboxes carry its name, priority class (train-rollout > eval > interactive > batch),

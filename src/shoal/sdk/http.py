@@ -485,6 +485,13 @@ class HttpTransport(Transport):
                        else error_from_dict(it.get("error") or {}))
         return out
 
+    async def restore(self, name: str, n: int = 1, *, backend: str = "microvm"
+                      ) -> builtins.list[SandboxInfo | ShoalError]:
+        r = await self._request("POST", "/v1/sandboxes/restore", json_body={"name": name, "n": n, "backend": backend},
+                                read_timeout=None)
+        return [decode_info(it["sandbox"]) if it.get("sandbox") is not None
+                else error_from_dict(it.get("error") or {}) for it in r.json()["items"]]
+
     # ---- images and fncall ----------------------------------------------------------------------
     async def images(self) -> builtins.list[dict[str, Any]]:
         r = await self._request("GET", "/v1/images")

@@ -94,6 +94,10 @@ class LocalTransport(Transport):
     async def fork(self, sandbox_id: str, n: int, **kw: Any) -> builtins.list[SandboxInfo | ShoalError]:
         return await self.node.fork(sandbox_id, n, **kw)
 
+    async def restore(self, name: str, n: int = 1, *, backend: str = "microvm"
+                      ) -> builtins.list[SandboxInfo | ShoalError]:
+        return await self.node.restore(name, n, backend=backend)
+
     async def images(self) -> builtins.list[dict[str, Any]]:
         return [img.to_dict() for img in await self.node.images()]
 

@@ -118,6 +118,13 @@ class Transport(ABC):
 
         raise NotImplementedYet("fork is not available on this transport")
 
+    async def restore(self, name: str, n: int = 1, *, backend: str = "microvm"
+                      ) -> builtins.list[SandboxInfo | ShoalError]:
+        """`n` new sandboxes resumed from a named VM memory snapshot (per-item errors)."""
+        from shoal.errors import NotImplementedYet
+
+        raise NotImplementedYet("restoring memory snapshots is not available on this transport")
+
     async def pull(self, reference: str) -> dict[str, Any]:
         """Pull an image from its registry into the store (a PullReport as a dict)."""
         from shoal.errors import NotImplementedYet

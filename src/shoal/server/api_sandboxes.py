@@ -1,5 +1,5 @@
 """REST routes for sandboxes: create (one or a batch), list, get, close, exec, files, shells,
-pause/resume, CPU class, snapshot, fork — each scoped to the caller's project."""
+pause/resume, CPU class, snapshot, fork, restore — each scoped to the caller's project."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pydantic import StringConstraints
 from shoal.errors import Forbidden, InvalidRequest, SandboxError, ShoalError
 from shoal.models import SandboxInfo
 from shoal.server.codec import STREAM_JSON_ABOVE, b64decode_field, encode_exec_result, iter_exec_result_json
-from shoal.server.deps import Namespace, ServerState, authorized, owned, state_of
+from shoal.server.deps import Namespace, ServerState, authorized, owned, require_admin, state_of
 from shoal.server.policy import apply_policy
 from shoal.server.responses import SANDBOX_ERRORS, errors
 from shoal.server.schemas import (
@@ -27,6 +27,7 @@ from shoal.server.schemas import (
     ExecIn,
     ExecOut,
     ForkIn,
+    RestoreIn,
     SandboxList,
     SandboxOut,
     ShellOpenIn,
@@ -159,6 +160,21 @@ async def create_sandboxes(body: BatchIn, request: Request, who: Who) -> dict[st
         results += [res.refused] * (body.n - res.granted)
     ns = Namespace(who)
     return _batch([_item(ns, it, st) for it in results])
+
+
+@router.post("/restore", response_model=BatchOut, responses=errors(403, 404, 500, 501, 503),
+             summary="Restore a memory snapshot")
+async def restore_sandboxes(body: RestoreIn, request: Request, who: Who) -> dict[str, Any]:
+    """`n` new sandboxes resumed from a named VM memory snapshot of this node (per-item errors, like a batch).
+    Memory snapshots are named per host, not per project, so restoring one needs an admin token. A backend
+    without memory snapshots answers 501; a snapshot this node does not hold, 404."""
+    require_admin(who, f"restoring the memory snapshot {body.name!r}")
+    st = state_of(request)
+    if body.n > st.settings.max_batch:
+        raise InvalidRequest(f"n={body.n} is over this server's batch limit of {st.settings.max_batch}",
+                             errors=[{"field": "body.n", "message": f"at most {st.settings.max_batch}"}])
+    items = await st.node.restore(body.name, body.n, backend=body.backend)
+    return _batch([_item(Namespace(who), it, st) for it in items])
 
 
 async def _create_gang(st: ServerState, who: Principal, spec: SandboxSpec, n: int) -> dict[str, Any]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from shoal.backends.registry import backend_names, check_backend_name
 from shoal.limits import CPU_CLASSES, DEFAULT_EXEC_TIMEOUT_S, MAX_EXEC_TIMEOUT_S, MAX_HTTP_BATCH
 from shoal.models import SandboxInfo
 from shoal.spec import (
@@ -100,6 +101,25 @@ class CpuClassIn(_In):
     cpu_class: Annotated[str, StringConstraints(pattern="^(?:" + "|".join(CPU_CLASSES) + ")$")] = Field(
         description="interactive: short steps whose latency matters; batch: runs on CPU time no interactive "
                     "task wants")
+
+
+#: a VM memory snapshot's name (the VM backends' own check: shoal.backends.vm._SNAPSHOT_NAME)
+SNAPSHOT_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+
+class RestoreIn(_In):
+    """Which named memory snapshot to restore, how many times, with which backend."""
+
+    name: Annotated[str, StringConstraints(pattern=SNAPSHOT_NAME_RE)] = Field(
+        description="a memory snapshot taken on this node (`shoal vm snapshot`, `snapshot(memory=True)`)")
+    n: int = Field(1, ge=1, le=MAX_BATCH)
+    backend: str = Field("microvm", description="the VM backend that took it",
+                         json_schema_extra={"enum": [*backend_names()]})
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        return check_backend_name(v)
 
 
 class ForkIn(_In):
