@@ -33,23 +33,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Note whether the host had swap before the suite (nodes set up zram swap when it has none)."""
+    """Undo what killed sessions left on the host; note whether the host had swap before the suite (nodes
+    set up zram swap when it has none)."""
     if IS_ROOT:
         from shoal.backends.container.reclaim import swap_active
+        from tests import sessions
 
+        for home, left in sessions.reap_dead().items():  # what killed sessions left (tests.sessions)
+            print(f"removed what a killed test session left in {home}" + (f"; still there: {left}" if left else ""))
         session.config.stash[_HAD_SWAP] = swap_active()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Leave swap as the suite found it: the zram swap a node of this suite made goes again, once no other
-    node process on the host relies on it (shoal.backends.container.swap)."""
-    if IS_ROOT and session.config.stash.get(_HAD_SWAP, True) is False:
-        from shoal.backends.container import swap
-
-        try:
-            swap.release_unused(ignore_pid=os.getpid())
-        except Exception as e:
-            print(f"\nswap made during the tests was not turned off: {e}")
 
 
 _HAD_SWAP = pytest.StashKey[bool]()
@@ -68,7 +60,9 @@ def _mounts_under(prefix: str) -> list[str]:
 @pytest.fixture(scope="session")
 def shoal_home() -> Iterator[Path]:
     """A fresh SHOAL_HOME for the session; at the end nothing it made may remain mounted or running."""
-    home = Path(tempfile.mkdtemp(prefix="sht-", dir="/tmp"))
+    from tests import sessions
+
+    home = sessions.new_home()  # owned by this process: a killed session's home is reaped by the next
     old = {k: os.environ.get(k) for k in ("SHOAL_HOME", "SHOAL_STORE")}
     os.environ["SHOAL_HOME"] = str(home)
     os.environ.setdefault("SHOAL_STORE", os.environ.get("SHOAL_TEST_STORE", "/var/lib/shoal/store"))

@@ -59,7 +59,7 @@ _MOUNT_CHECK_FAILED = "cannot check mount status"
 _DETACH_THEN_EXEC = 'while [ "$1" != -- ]; do umount -l "$1" 2>/dev/null; shift; done; shift; exec "$@"'
 
 
-def _mkfs_btrfs(argv: list[str]) -> None:
+def mkfs_btrfs(argv: list[str]) -> None:
     """Run mkfs.btrfs; when its check of the host's mounts trips over an unrelated dead one, run it again in
     a private mount namespace without the dead mounts.
 
@@ -155,7 +155,7 @@ class UpperPool:
             # and a bystander creating a file gets ENOSPC although the guard kept the reserve (measured: 1 GiB
             # pool, 8 MiB of metadata, the 13,038th new file failed). Mixed needs nodesize == sectorsize.
             mixed = ["--mixed"] if size_gb < MIXED_BELOW_GB else []
-            _mkfs_btrfs(["mkfs.btrfs", "-q", "-f", *mixed, "-m", "single", "-n", "4096", str(tmp)])
+            mkfs_btrfs(["mkfs.btrfs", "-q", "-f", *mixed, "-m", "single", "-n", "4096", str(tmp)])
             os.rename(tmp, self.image)
         # nodatacow-free defaults; noatime because agents read a lot
         r = run_sync(["mount", "-o", "loop,noatime", str(self.image), str(self.mountpoint)], timeout=60)

@@ -168,6 +168,10 @@ class Recorder:
                 continue
             if rec.state != "running":
                 continue  # paused: no samples, like E2B
+            if s.points and now - s.points[-1][0] < SAMPLE_S / 2:
+                # tracked just now (its first point): the round is on one clock for all series, so without
+                # this a new series could get two points in one second (E2B's timestamps are whole seconds)
+                continue
             p = sample(s, now)
             if p is not None:
                 s.add(p)
