@@ -76,7 +76,9 @@ class FaultProxy:
                         proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
                         proxy._cv.notify_all()
                         if proxy.hold_blobs:
-                            proxy._cv.wait_for(lambda: proxy.in_flight >= proxy.hold_blobs, proxy.hold_timeout)
+                            # once that many were in flight together, the rest go through (a 4th layer
+                            # of 4 at concurrency 3 would otherwise wait out the timeout alone)
+                            proxy._cv.wait_for(lambda: proxy.max_in_flight >= proxy.hold_blobs, proxy.hold_timeout)
                 try:
                     conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}

@@ -197,6 +197,7 @@ def test_layers_download_in_parallel(loopback_registry: LoopbackRegistry, store:
         monkeypatch.setenv("SHOAL_REGISTRY_FALLBACK", "0")
         monkeypatch.setenv("SHOAL_PULL_CONCURRENCY", "3")
         proxy.hold_blobs = 3  # blob answers wait until three are asked for at once
+        proxy.hold_timeout = 3.0  # the image config is asked for alone: it waits this long, then goes through
         pull_image(store, "parallel:1")
         assert proxy.max_in_flight == 3
 

@@ -51,7 +51,7 @@ for i, ip in enumerate(pings):
     body = struct.pack("!BBHHH", 8, 0, 0, os.getpid() & 0xffff, i) + b"shoal"
     icmp.sendto(body[:2] + struct.pack("!H", csum(body)) + body[4:], (ip, 0))
 answered = set()
-deadline = time.time() + 2.0
+deadline = time.time() + (2.0 if pings else 0.0)
 while time.time() < deadline:
     r, _, _ = select.select([icmp], [], [], max(0.0, deadline - time.time()))
     if r:

@@ -16,6 +16,7 @@ link-local addresses routed to them only for the test (picked at random, so runs
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -87,11 +88,18 @@ async def test_port_rules_for_non_public_addresses_open_exactly_that_port(client
     monkeypatch.setenv("SHOAL_EGRESS_ALLOW", "private")
     # settings are resolved once, when a node starts (issue 27): a node started after the change sees it
     async with shoal.Client() as granted:
-        for rules, want in cases:
+
+        async def check(rules: list[str], want: dict[str, str]) -> tuple[list[str], dict[str, str]]:
             sb = await granted.create("base", network=rules, memory_mb=128)
-            got = await probe(sb, [(h, int(p)) for h, p in (k.split(":") for k in want)])
+            try:
+                return rules, await probe(sb, [(h, int(p)) for h, p in (k.split(":") for k in want)])
+            finally:
+                await sb.close()
+
+        # the cases at once (each probe waits out its "timeout" ports): every sandbox has its own rules
+        for (rules, got), (_, want) in zip(await asyncio.gather(*(check(r, w) for r, w in cases)), cases,
+                                           strict=True):
             assert got == want, (rules, got)
-            await sb.close()
 
 
 async def test_a_networked_sandbox_resolves_through_the_node_not_the_host(client: shoal.Client, lab: Lab) -> None:
