@@ -168,7 +168,7 @@ class RayMachines:
         self.machines: list[Internet] = []
         self._procs: list[subprocess.Popen] = []
         self._args: list[tuple[str | None, tuple[str, ...]]] = []
-        self._retries = 0
+        self._retries: dict[int, int] = {}  # per node: a loaded host can time out several of them
         try:
             self.machines = [Internet() for _ in range(workers)]
             # the other machines reach the head (and each other) through the host, like through a switch
@@ -231,8 +231,8 @@ class RayMachines:
                 if p.poll() is not None:
                     tail = self._log(i).read_text(errors="replace")[-3000:]
                     # Ray gives a raylet 30 s (fixed) to register; on a loaded 2-core host that can pass
-                    if "timed out during startup" in tail and self._retries < 3:
-                        self._retries += 1
+                    if "timed out during startup" in tail and self._retries.get(i, 0) < 3:
+                        self._retries[i] = self._retries.get(i, 0) + 1
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(p.pid, signal.SIGKILL)  # what it started before giving up
                         self._ray(self._args[i][0], *self._args[i][1], slot=i)
