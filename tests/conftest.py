@@ -44,6 +44,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         session.config.stash[_HAD_SWAP] = swap_active()
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave swap as the suite found it: the zram swap a node of this suite made goes again, once no other
+    node process on the host relies on it (shoal.backends.container.swap)."""
+    if IS_ROOT and session.config.stash.get(_HAD_SWAP, True) is False:
+        from shoal.backends.container import swap
+
+        try:
+            swap.release_unused(ignore_pid=os.getpid())
+        except Exception as e:
+            print(f"\nswap made during the tests was not turned off: {e}")
+
+
 _HAD_SWAP = pytest.StashKey[bool]()
 
 
